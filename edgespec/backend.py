@@ -1,0 +1,346 @@
+"""The only module that imports llama_cpp: one GGUF model with its KV cache.
+
+`Model` holds one llama.cpp context with a single sequence whose contents are
+mirrored in `Model.tokens` (position i holds tokens[i]). Everything above this
+module speaks token ids and numpy arrays.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import llama_cpp
+import numpy as np
+
+from edgespec.config import LoadConfig
+from edgespec.errors import ContextOverflowError, EdgespecError, InvalidModelError, ModelNotFoundError, UnsupportedModelError
+
+log = logging.getLogger(__name__)
+_llama_log = logging.getLogger("edgespec.llama_cpp")
+
+GGUF_MAGIC = b"GGUF"
+_SEQ = 0
+# ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation; info is load chatter, so DEBUG here.
+_LEVELS = {3: logging.WARNING, 4: logging.ERROR}
+# llama.cpp's last error lines, quoted in our own error messages.
+_recent_errors: collections.deque[str] = collections.deque(maxlen=4)
+
+
+@llama_cpp.llama_log_callback
+def _on_llama_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    # llama.cpp is chatty on stderr; route it to logging so the CLI decides what shows.
+    msg = text.decode("utf-8", "replace").rstrip()
+    if level == 4:
+        _recent_errors.append(msg)
+    if msg:
+        _llama_log.log(_LEVELS.get(level, logging.DEBUG), "%s", msg)
+
+
+llama_cpp.llama_log_set(_on_llama_log, ctypes.c_void_p(0))
+llama_cpp.llama_backend_init()
+
+
+@dataclass(frozen=True)
+class Vocab:
+    n_tokens: int
+    type: int  # llama_vocab_type: 1 SPM, 2 BPE, ...
+    bos: int | None
+    eos: int | None
+    eot: int | None
+    add_bos: bool
+    fim_pre: int | None
+    fim_suf: int | None
+    fim_mid: int | None
+    fim_pad: int | None
+    fim_rep: int | None
+    fim_sep: int | None
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What memory accounting and reports need from the GGUF."""
+
+    path: Path
+    description: str
+    architecture: str
+    n_layer: int
+    n_head: int
+    n_head_kv: int
+    n_embd: int
+    head_dim_k: int
+    head_dim_v: int
+    n_ctx_train: int
+    weights_bytes: int
+    n_params: int
+    chat_template: str | None
+    recurrent: bool
+
+
+def _first_error() -> str:
+    """The root cause: llama.cpp logs it first, then a generic 'failed to load'."""
+    return _recent_errors[0] if _recent_errors else "no reason given"
+
+
+def _token(t: int) -> int | None:
+    return None if t == llama_cpp.LLAMA_TOKEN_NULL else int(t)
+
+
+class Model:
+    """A loaded GGUF and its one-sequence KV cache."""
+
+    def __init__(self, path: str | Path, cfg: LoadConfig | None = None) -> None:
+        self.cfg = cfg = cfg or LoadConfig()
+        self.path = path = Path(path)
+        _check_gguf_file(path)
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = cfg.n_gpu_layers if cfg.n_gpu_layers >= 0 else 999
+        _recent_errors.clear()
+        self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        if not self._model:
+            raise InvalidModelError(
+                f"llama.cpp could not load {path} ({_first_error()}); the file is truncated, corrupt or of an "
+                f"unsupported architecture: fetch it again (`edgespec models fetch NAME`) or pick another GGUF"
+            )
+        self._ctx = None
+        self._batch = None
+        try:
+            self._vocab_p = llama_cpp.llama_model_get_vocab(self._model)
+            self.facts = self._read_facts()
+            self.vocab = self._read_vocab()
+            self.n_vocab = self.vocab.n_tokens
+            cparams = llama_cpp.llama_context_default_params()
+            cparams.n_ctx = cfg.n_ctx
+            cparams.n_batch = cparams.n_ubatch = cfg.n_batch
+            cparams.n_seq_max = 1
+            cparams.n_threads = cparams.n_threads_batch = cfg.n_threads
+            cparams.no_perf = True
+            self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
+            if not self._ctx:
+                raise EdgespecError(f"llama.cpp could not create a context of {cfg.n_ctx} tokens for {path} "
+                                    f"({_first_error()}); "
+                                    f"try a smaller context (--ctx)")
+            self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
+            self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
+            self._mem = llama_cpp.llama_get_memory(self._ctx)
+            self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+            # seq ids never change; token/pos/logits are written through numpy views.
+            for i in range(self.n_batch):
+                self._batch.n_seq_id[i] = 1
+                self._batch.seq_id[i][0] = _SEQ
+            self._b_token = np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,))
+            self._b_pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
+            self._b_logits = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
+        except BaseException:
+            self.close()
+            raise
+        # Recurrent state cannot be cut at an arbitrary position; speculation needs that.
+        self.can_trim = not self.facts.recurrent
+        self.tokens: list[int] = []
+        self._pieces: dict[int, bytes] = {}
+
+    # -- decoding ---------------------------------------------------------
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def decode(self, tokens: Sequence[int], n_outputs: int = 1) -> np.ndarray:
+        """Append `tokens` to the cache; return logits of the last `n_outputs` of them.
+
+        The result, shape (n_outputs, n_vocab), is a view of llama.cpp's buffer:
+        valid until the next decode. Copy what must outlive it.
+        """
+        n = len(tokens)
+        if n == 0 or not 0 <= n_outputs <= min(n, self.n_batch):
+            raise ValueError(f"decode of {n} tokens with {n_outputs} outputs (batch {self.n_batch})")
+        if self.n_past + n > self.n_ctx:
+            raise ContextOverflowError(
+                f"{self.n_past + n} tokens do not fit the context of {self.n_ctx}; use a larger --ctx or a shorter prompt"
+            )
+        toks = np.asarray(tokens, dtype=np.int32)
+        first_out = n - n_outputs
+        for start in range(0, n, self.n_batch):
+            m = min(self.n_batch, n - start)
+            self._b_token[:m] = toks[start : start + m]
+            self._b_pos[:m] = np.arange(self.n_past, self.n_past + m, dtype=np.int32)
+            self._b_logits[:m] = np.arange(start, start + m) >= first_out
+            self._batch.n_tokens = m
+            rc = llama_cpp.llama_decode(self._ctx, self._batch)
+            if rc != 0:
+                self._resync()
+                if rc == 1:
+                    raise ContextOverflowError(f"no KV slot for {m} tokens at position {self.n_past}; use a larger --ctx")
+                raise EdgespecError(f"llama_decode failed with code {rc} at position {self.n_past}")
+            self.tokens.extend(int(t) for t in toks[start : start + m])
+        if n_outputs == 0:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        ptr = llama_cpp.llama_get_logits(self._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_outputs, self.n_vocab))
+
+    def trim(self, n_keep: int) -> int:
+        """Keep the first `n_keep` cached tokens, drop the rest; returns how many were dropped."""
+        n_keep = max(0, min(n_keep, self.n_past))
+        dropped = self.n_past - n_keep
+        if dropped == 0:
+            return 0
+        if n_keep > 0 and not self.can_trim:
+            raise UnsupportedModelError(
+                f"{self.path.name} has a recurrent cache that cannot be cut at position {n_keep}; "
+                f"use it without speculation (--proposer none)"
+            )
+        if not llama_cpp.llama_memory_seq_rm(self._mem, _SEQ, n_keep, -1):
+            raise UnsupportedModelError(f"llama.cpp refused to remove positions >= {n_keep} from {self.path.name}")
+        del self.tokens[n_keep:]
+        if (pos := self.pos_max()) != n_keep - 1:
+            raise EdgespecError(f"KV cache of {self.path.name} ends at {pos} after trimming to {n_keep}")
+        return dropped
+
+    def pos_max(self) -> int:
+        """The last position llama.cpp holds for the sequence (-1 when empty)."""
+        return int(llama_cpp.llama_memory_seq_pos_max(self._mem, _SEQ))
+
+    def _resync(self) -> None:
+        # After a failed decode, llama.cpp may keep some of the batch; believe it.
+        del self.tokens[self.pos_max() + 1 :]
+
+    def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
+        llama_cpp.llama_set_n_threads(self._ctx, n_threads, n_threads_batch or n_threads)
+
+    # -- vocabulary ---------------------------------------------------------
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = (llama_cpp.llama_token * cap)()
+        n = llama_cpp.llama_tokenize(self._vocab_p, data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:  # buffer too small: -n is the size needed
+            cap = -n
+            buf = (llama_cpp.llama_token * cap)()
+            n = llama_cpp.llama_tokenize(self._vocab_p, data, len(data), buf, cap, add_special, parse_special)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes of one token; control tokens render as nothing."""
+        piece = self._pieces.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = llama_cpp.llama_token_to_piece(self._vocab_p, token, buf, 64, 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = llama_cpp.llama_token_to_piece(self._vocab_p, token, buf, -n, 0, False)
+            piece = self._pieces[token] = buf.raw[:n]
+        return piece
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
+
+    def token_text(self, token: int) -> str:
+        """The vocabulary entry as stored in the GGUF (used to compare vocabularies)."""
+        return llama_cpp.llama_vocab_get_text(self._vocab_p, token).decode("utf-8", "replace")
+
+    def is_eog(self, token: int) -> bool:
+        return bool(llama_cpp.llama_vocab_is_eog(self._vocab_p, token))
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, 256)
+        if n < 0:
+            return None
+        if n >= 256:
+            buf = ctypes.create_string_buffer(n + 1)
+            llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, n + 1)
+        return buf.value.decode("utf-8", "replace")
+
+    def _read_vocab(self) -> Vocab:
+        v = self._vocab_p
+        return Vocab(
+            n_tokens=int(llama_cpp.llama_vocab_n_tokens(v)),
+            type=int(llama_cpp.llama_vocab_type(v)),
+            bos=_token(llama_cpp.llama_vocab_bos(v)),
+            eos=_token(llama_cpp.llama_vocab_eos(v)),
+            eot=_token(llama_cpp.llama_vocab_eot(v)),
+            add_bos=bool(llama_cpp.llama_vocab_get_add_bos(v)),
+            fim_pre=_token(llama_cpp.llama_vocab_fim_pre(v)),
+            fim_suf=_token(llama_cpp.llama_vocab_fim_suf(v)),
+            fim_mid=_token(llama_cpp.llama_vocab_fim_mid(v)),
+            fim_pad=_token(llama_cpp.llama_vocab_fim_pad(v)),
+            fim_rep=_token(llama_cpp.llama_vocab_fim_rep(v)),
+            fim_sep=_token(llama_cpp.llama_vocab_fim_sep(v)),
+        )
+
+    def _read_facts(self) -> ModelFacts:
+        m = self._model
+        arch = self.meta("general.architecture") or "unknown"
+        n_embd = int(llama_cpp.llama_model_n_embd(m))
+        n_head = int(llama_cpp.llama_model_n_head(m))
+        default_dim = n_embd // max(n_head, 1)
+        desc = ctypes.create_string_buffer(256)
+        llama_cpp.llama_model_desc(m, desc, 256)
+        template = llama_cpp.llama_model_chat_template(m, None)
+        return ModelFacts(
+            path=self.path,
+            description=desc.value.decode("utf-8", "replace"),
+            architecture=arch,
+            n_layer=int(llama_cpp.llama_model_n_layer(m)),
+            n_head=n_head,
+            n_head_kv=int(llama_cpp.llama_model_n_head_kv(m)),
+            n_embd=n_embd,
+            head_dim_k=int(self.meta(f"{arch}.attention.key_length") or default_dim),
+            head_dim_v=int(self.meta(f"{arch}.attention.value_length") or default_dim),
+            n_ctx_train=int(llama_cpp.llama_model_n_ctx_train(m)),
+            weights_bytes=int(llama_cpp.llama_model_size(m)),
+            n_params=int(llama_cpp.llama_model_n_params(m)),
+            chat_template=template.decode("utf-8", "replace") if template else None,
+            recurrent=bool(llama_cpp.llama_model_is_recurrent(m) or llama_cpp.llama_model_is_hybrid(m)),
+        )
+
+    # -- lifetime -------------------------------------------------------------
+
+    def close(self) -> None:
+        if getattr(self, "_batch", None) is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None):
+            llama_cpp.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            llama_cpp.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _check_gguf_file(path: Path) -> None:
+    """Fail early with a clear message; llama.cpp's own is a log line and a NULL."""
+    if not path.exists():
+        raise ModelNotFoundError(f"model file {path} does not exist; check the path or use a catalog name")
+    if not path.is_file():
+        raise InvalidModelError(f"{path} is not a file; pass the path of a .gguf file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise InvalidModelError(
+            f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}); "
+            f"convert it with llama.cpp's convert_hf_to_gguf.py or download a .gguf"
+        )
+
+
+def system_info() -> str:
+    """llama.cpp's build features (CPU flags, GPU backends)."""
+    return llama_cpp.llama_print_system_info().decode("utf-8", "replace")
+
+
+def library_version() -> str:
+    return getattr(llama_cpp, "__version__", "unknown")

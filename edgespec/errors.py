@@ -1,0 +1,47 @@
+"""Domain errors. Each message names the offending value and the fix.
+
+The CLI turns these into one-line `click.ClickException`s and the server into
+HTTP status codes, by type, so nothing above this module formats errors itself.
+"""
+
+from __future__ import annotations
+
+
+class EdgespecError(Exception):
+    """Base class: something the user can fix; the message says how."""
+
+
+class ModelNotFoundError(EdgespecError):
+    """A model path that does not exist and is not a catalog name."""
+
+
+class InvalidModelError(EdgespecError):
+    """A file that llama.cpp cannot load: not GGUF, truncated or corrupt."""
+
+
+class FetchError(EdgespecError):
+    """A model could not be downloaded or assembled."""
+
+
+class ChecksumError(FetchError):
+    """A fetched model does not match the catalog's size or sha256."""
+
+
+class ContextOverflowError(EdgespecError):
+    """A prompt, or prompt plus max_tokens, that does not fit the context."""
+
+
+class InvalidRequestError(EdgespecError):
+    """A generation parameter outside its valid range."""
+
+
+class IncompatibleDraftError(EdgespecError):
+    """A draft model whose vocabulary differs from the target's."""
+
+
+class UnsupportedModelError(EdgespecError):
+    """A model that cannot do what was asked (e.g. partial KV removal)."""
+
+
+class ChatTemplateError(EdgespecError):
+    """A model without a chat template, or one that fails to render."""

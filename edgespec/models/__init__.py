@@ -1,0 +1,6 @@
+"""The model catalog and the cache of fetched models."""
+
+from edgespec.models.catalog import DEFAULT_MODEL, MODELS, PAIRS, CatalogModel
+from edgespec.models.store import cache_dir, cached_path, fetch, remove, resolve
+
+__all__ = ["DEFAULT_MODEL", "MODELS", "PAIRS", "CatalogModel", "cache_dir", "cached_path", "fetch", "remove", "resolve"]

@@ -1,0 +1,56 @@
+"""Turning one row of logits into a token: greedy, or a filtered distribution.
+
+Filters follow llama.cpp's default chain (top-k, top-p, min-p, then
+temperature), so the same settings mean the same thing as in llama.cpp. The
+distribution is returned sparse, as (token ids, probabilities), because after
+top-k only a few dozen of 150k entries are non-zero.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from edgespec.config import SamplingConfig
+
+
+def greedy(logits: np.ndarray) -> int:
+    """Index of the largest logit, first on ties (as llama.cpp's greedy sampler)."""
+    return int(np.argmax(logits))
+
+
+def distribution(logits: np.ndarray, cfg: SamplingConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The filtered, tempered distribution: (ids sorted by probability, probs)."""
+    n = logits.shape[-1]
+    if 0 < cfg.top_k < n:
+        ids = np.argpartition(logits, n - cfg.top_k)[n - cfg.top_k :]  # O(n), unordered
+    else:
+        ids = np.arange(n)
+    x = logits[ids].astype(np.float64)
+    order = np.argsort(-x, kind="stable")
+    ids, x = ids[order], x[order]
+    p = _softmax(x)
+    keep = len(p)
+    if cfg.top_p < 1.0:
+        keep = min(keep, int(np.searchsorted(np.cumsum(p), cfg.top_p)) + 1)
+    if cfg.min_p > 0.0:
+        keep = min(keep, int(np.count_nonzero(p >= cfg.min_p * p[0])))
+    keep = max(keep, 1)
+    return ids[:keep], _softmax(x[:keep] / cfg.temperature)
+
+
+def sample(logits: np.ndarray, cfg: SamplingConfig, rng: np.random.Generator) -> int:
+    if cfg.greedy:
+        return greedy(logits)
+    ids, p = distribution(logits, cfg)
+    return draw(ids, p, rng)
+
+
+def draw(ids: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> int:
+    """One token from a sparse distribution; the index clamp guards rounding at 1.0."""
+    c = np.cumsum(p)
+    return int(ids[min(int(np.searchsorted(c, rng.random() * c[-1], side="right")), len(ids) - 1)])
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()

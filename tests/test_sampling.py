@@ -1,0 +1,68 @@
+"""Sampling on literal logits: the filters, greedy ties, reproducibility, and the sampled distribution."""
+
+import numpy as np
+import pytest
+
+from edgespec import sampling
+from edgespec.config import SamplingConfig
+from edgespec.errors import InvalidRequestError
+
+
+def test_greedy_takes_first_of_ties():
+    assert sampling.greedy(np.array([0.0, 3.0, 3.0, 1.0], dtype=np.float32)) == 1
+
+
+def test_top_k_keeps_the_k_largest_in_order():
+    logits = np.array([1.0, 5.0, 3.0, 4.0, 2.0], dtype=np.float32)
+    ids, p = sampling.distribution(logits, SamplingConfig(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0))
+    assert ids.tolist() == [1, 3, 2]
+    assert p.sum() == pytest.approx(1.0)
+    assert np.all(np.diff(p) < 0)
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    probs = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = np.log(probs).astype(np.float32)
+    ids, p = sampling.distribution(logits, SamplingConfig(temperature=1.0, top_k=0, top_p=0.8, min_p=0.0))
+    assert ids.tolist() == [0, 1]
+    np.testing.assert_allclose(p, [0.5 / 0.8, 0.3 / 0.8], rtol=1e-6)
+
+
+def test_min_p_drops_tokens_below_fraction_of_best():
+    probs = np.array([0.6, 0.3, 0.07, 0.03])
+    logits = np.log(probs).astype(np.float32)
+    ids, _ = sampling.distribution(logits, SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.1))
+    assert ids.tolist() == [0, 1, 2]  # 0.03 < 0.1 * 0.6
+
+
+def test_temperature_sharpens_after_filtering():
+    logits = np.array([2.0, 1.0, 0.0], dtype=np.float32)
+    _, hot = sampling.distribution(logits, SamplingConfig(temperature=2.0, top_k=0, top_p=1.0, min_p=0.0))
+    _, cold = sampling.distribution(logits, SamplingConfig(temperature=0.5, top_k=0, top_p=1.0, min_p=0.0))
+    assert cold[0] > hot[0]
+    np.testing.assert_allclose(cold, np.exp([4, 2, 0]) / np.exp([4, 2, 0]).sum(), rtol=1e-6)
+
+
+def test_seeded_sampling_is_reproducible():
+    rng_logits = np.random.default_rng(0).normal(size=1000).astype(np.float32)
+    cfg = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
+    a = [sampling.sample(rng_logits, cfg, np.random.default_rng(7)) for _ in range(3)]
+    b = [sampling.sample(rng_logits, cfg, np.random.default_rng(7)) for _ in range(3)]
+    assert a == b
+
+
+def test_samples_follow_the_distribution():
+    probs = np.array([0.5, 0.25, 0.125, 0.125])
+    logits = np.log(probs).astype(np.float32)
+    cfg = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    rng = np.random.default_rng(1234)
+    n = 20000
+    counts = np.bincount([sampling.sample(logits, cfg, rng) for _ in range(n)], minlength=4)
+    chi2 = (((counts - n * probs) ** 2) / (n * probs)).sum()
+    assert chi2 < 16.27  # chi-square, 3 degrees of freedom, p = 0.001
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": -1.0}, {"top_k": -1}, {"top_p": 0.0}, {"min_p": 1.5}])
+def test_invalid_settings_name_the_value(kwargs):
+    with pytest.raises(InvalidRequestError, match=str(next(iter(kwargs.values())))):
+        SamplingConfig(**kwargs)

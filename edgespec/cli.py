@@ -12,6 +12,7 @@ from typing import Any, Callable
 import click
 
 from edgespec.config import (
+    DEFAULT_K,
     DEFAULT_MAX_TOKENS,
     DEFAULT_MIN_P,
     DEFAULT_N_CTX,
@@ -28,6 +29,7 @@ from edgespec.models import DEFAULT_MODEL, MODELS, PAIRS, cache_dir, cached_path
 from edgespec.models import fetch as fetch_model
 from edgespec.models import remove as remove_model
 from edgespec.models.store import SOURCES
+from edgespec.proposers import PROPOSERS
 
 
 def _errors(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -62,6 +64,12 @@ def _source_option(f: Callable[..., Any]) -> Callable[..., Any]:
 
 @cli.command()
 @click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Catalog name or path of a GGUF file.")
+@click.option("-d", "--draft", default=None, help="Draft model (catalog name or GGUF path) for --proposer draft.")
+@click.option("--proposer", type=click.Choice(PROPOSERS), default=None,
+              help="How tokens are proposed: none, ngram (prompt lookup) or draft [default: draft with --draft, "
+                   "else none].")
+@click.option("-k", "--k", "k", type=int, default=DEFAULT_K, show_default=True,
+              help="Most tokens proposed per cycle (0: no speculation).")
 @click.option("-p", "--prompt", help="Prompt text.")
 @click.option("-f", "--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Read the prompt from a file.")
@@ -80,7 +88,7 @@ def _source_option(f: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("-q", "--quiet", is_flag=True, help="No progress or stats on stderr.")
 @_source_option
 @_errors
-def generate(model: str, prompt: str | None, prompt_file: Path | None, chat: bool, max_tokens: int,
+def generate(model: str, draft: str | None, proposer: str | None, k: int, prompt: str | None, prompt_file: Path | None, chat: bool, max_tokens: int,
              temperature: float, top_k: int, top_p: float, min_p: float, seed: int | None, stop: tuple[str, ...],
              threads: int | None, n_ctx: int, as_json: bool, quiet: bool, source: str | None) -> None:
     """Generate a completion for one prompt."""
@@ -97,7 +105,7 @@ def generate(model: str, prompt: str | None, prompt_file: Path | None, chat: boo
     show = not quiet
     if show:
         click.echo(f"loading {model} …", err=True)
-    with Engine(model, load=load, source=source, progress=show) as engine:
+    with Engine(model, draft=draft, proposer=proposer, k=k, load=load, source=source, progress=show) as engine:
         tokens = engine.chat_tokens([{"role": "user", "content": text}]) if chat else engine.tokenize(text)
         if as_json:
             out = engine.generate(tokens, config, stop=stop)
@@ -111,8 +119,9 @@ def generate(model: str, prompt: str | None, prompt_file: Path | None, chat: boo
         click.echo()
         if show and last is not None and last.stats is not None:
             s = last.stats
+            spec = f", {s.acceptance_rate:.0%} of {s.drafted} drafted accepted" if s.drafted else ""
             click.echo(f"[{s.prompt_tokens} prompt tokens in {s.prefill_seconds:.2f}s, {s.completion_tokens} "
-                       f"generated at {s.tokens_per_second:.1f} tok/s, {last.finish_reason}]", err=True)
+                       f"generated at {s.tokens_per_second:.1f} tok/s{spec}, {last.finish_reason}]", err=True)
 
 
 @cli.group()

@@ -10,6 +10,7 @@ from edgespec.errors import InvalidRequestError
 DEFAULT_N_CTX = 4096
 DEFAULT_N_BATCH = 512
 DEFAULT_MAX_TOKENS = 256
+DEFAULT_K = 4  # most tokens proposed per cycle
 # llama.cpp's defaults for the filters; temperature 0 (greedy) as in mlx-lm,
 # so a plain `edgespec generate` is reproducible.
 DEFAULT_TEMPERATURE = 0.0

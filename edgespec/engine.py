@@ -12,15 +12,18 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 import numpy as np
 
-from edgespec import chat, sampling
+from edgespec import chat, sampling, verify
 from edgespec.backend import Model
-from edgespec.config import GenerationConfig, LoadConfig
-from edgespec.errors import ContextOverflowError, InvalidRequestError
+from edgespec.config import DEFAULT_K, GenerationConfig, LoadConfig
+from edgespec.errors import ContextOverflowError, InvalidRequestError, UnsupportedModelError
 from edgespec.models import DEFAULT_MODEL, resolve
+from edgespec.proposers import PROPOSERS, Proposal, Proposer
+from edgespec.proposers.draft import DraftProposer
+from edgespec.proposers.ngram import NgramProposer
 from edgespec.text import TextStream
 
 log = logging.getLogger(__name__)
@@ -34,6 +37,7 @@ class Stats:
 
     The first token comes out of the prefill, so `tokens_per_second` is
     (completion_tokens - 1) / decode_seconds, as llama.cpp reports its eval rate.
+    A cycle is one target pass after the prefill: the last token plus the draft.
     """
 
     prompt_tokens: int = 0
@@ -41,14 +45,53 @@ class Stats:
     completion_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # per draft position
+    accepted_at: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
     @property
     def tokens_per_second(self) -> float:
         n = self.completion_tokens - 1
         return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
 
-    def to_dict(self) -> dict[str, float | int]:
-        return {**asdict(self), "tokens_per_second": self.tokens_per_second}
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_per_cycle(self) -> float:
+        """Draft tokens accepted per target pass (each pass also commits one target token)."""
+        return self.accepted / self.cycles if self.cycles else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def other_seconds(self) -> float:
+        return max(0.0, self.decode_seconds - self.draft_seconds - self.verify_seconds)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.cycles += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k not in ("drafted_at", "accepted_at")}
+        for name in ("tokens_per_second", "acceptance_rate", "mean_accepted_per_cycle", "acceptance_by_position",
+                     "other_seconds"):
+            d[name] = getattr(self, name)
+        return d
 
 
 @dataclass
@@ -57,6 +100,7 @@ class Chunk:
 
     text: str
     tokens: list[int]
+    from_draft: list[bool] = field(default_factory=list)  # per token: proposed and accepted, or the target's own
     finish_reason: FinishReason | None = None
     stats: Stats | None = None  # set on the last chunk
 
@@ -76,16 +120,56 @@ class Engine:
         self,
         model: str | Path = DEFAULT_MODEL,
         *,
+        draft: str | Path | None = None,
+        proposer: str | Proposer | None = None,
+        k: int = DEFAULT_K,
         load: LoadConfig | None = None,
         source: str | None = None,
         progress: bool = False,
     ) -> None:
+        """Load `model` (a catalog name or GGUF path) and, optionally, a `draft` model.
+
+        `proposer` is "none", "ngram", "draft" (default: "draft" when a draft
+        is given, else "none") or any object with the `Proposer` protocol;
+        `k` is the most tokens proposed per cycle.
+        """
+        if k < 0:
+            raise InvalidRequestError(f"k {k} must be >= 0 (0 turns speculation off)")
+        name = proposer if isinstance(proposer, str) else None
+        if proposer is None:
+            name = "draft" if draft is not None else "none"
+        if name is not None and name not in PROPOSERS:
+            raise InvalidRequestError(f"unknown proposer {name!r}; use one of {', '.join(PROPOSERS)}")
+        if name == "draft" and draft is None:
+            raise InvalidRequestError("proposer 'draft' needs a draft model; pass --draft NAME|PATH")
         self.load_config = load or LoadConfig()
+        self.k = k
         self.target = Model(resolve(str(model), source=source, progress=progress), self.load_config)
+        self.proposer: Proposer | None = None if isinstance(proposer, str) or proposer is None else proposer
+        try:
+            if name != "none" and not self.target.can_trim:
+                raise UnsupportedModelError(
+                    f"{self.target.path.name} has a recurrent cache that cannot be rolled back, so it cannot "
+                    f"verify drafts; use --proposer none"
+                )
+            if name == "ngram":
+                self.proposer = NgramProposer(self.target.is_eog)
+            elif name == "draft":
+                draft_model = Model(resolve(str(draft), source=source, progress=progress), self.load_config)
+                try:
+                    self.proposer = DraftProposer(draft_model, self.target)
+                except BaseException:
+                    draft_model.close()
+                    raise
+        except BaseException:
+            self.target.close()
+            raise
         self._lock = threading.Lock()  # one generation at a time per engine
         self._cancel = threading.Event()
 
     def close(self) -> None:
+        if self.proposer is not None:
+            self.proposer.close()
         self.target.close()
 
     def __enter__(self) -> Engine:
@@ -139,23 +223,28 @@ class Engine:
             stats = Stats(prompt_tokens=len(prompt_tokens))
             text = TextStream(stop)
             finish: FinishReason = "length"
-            for tokens, done in self._steps(prompt_tokens, config, stats):
-                delta = "".join(text.push(self.target.token_bytes(t)) for t in tokens)
-                if text.stopped:
-                    finish = "stop"
-                    yield Chunk(delta, tokens)
-                    break
+            for tokens, from_draft, done in self._steps(prompt_tokens, config, stats):
+                delta = []
+                for i, t in enumerate(tokens):
+                    delta.append(text.push(self.target.token_bytes(t)))
+                    if text.stopped:  # nothing after a stop string is emitted, even within one block
+                        tokens, from_draft, done = tokens[: i + 1], from_draft[: i + 1], "stop"
+                        break
                 if done is not None:
                     finish = done
-                    delta += text.flush()
-                    yield Chunk(delta, tokens)
+                    delta.append(text.flush())
+                    yield Chunk("".join(delta), tokens, from_draft)
                     break
-                yield Chunk(delta, tokens)
-            yield Chunk("", [], finish, stats)
+                yield Chunk("".join(delta), tokens, from_draft)
+            yield Chunk("", [], [], finish, stats)
 
     def _steps(self, prompt: list[int], config: GenerationConfig, stats: Stats
-               ) -> Iterator[tuple[list[int], FinishReason | None]]:
-        """Committed tokens, one step at a time, with the finish reason on the last step."""
+               ) -> Iterator[tuple[list[int], list[bool], FinishReason | None]]:
+        """Committed tokens, one cycle at a time, with the finish reason on the last cycle.
+
+        Invariant between cycles: the target cache holds committed[:-1]; the last
+        committed token is decoded at the head of the next cycle's batch.
+        """
         m = self.target
         sc = config.sampling
         rng = np.random.default_rng(sc.seed)
@@ -164,22 +253,73 @@ class Engine:
         stats.prefill_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
         try:
-            for i in range(config.max_tokens):
-                token = sampling.sample(logits[-1], sc, rng)
-                if m.is_eog(token):
-                    yield [], "stop"
+            first = sampling.sample(logits[-1], sc, rng)
+            if m.is_eog(first):
+                yield [], [], "stop"
+                return
+            committed = [*prompt, first]
+            stats.completion_tokens = 1
+            if config.max_tokens == 1:
+                yield [first], [False], "length"
+                return
+            yield [first], [False], None
+            if self.proposer is not None:
+                self.proposer.begin(committed, sc, rng)
+            while True:
+                remaining = config.max_tokens - stats.completion_tokens
+                # A cycle commits up to k+1 tokens and writes k+1 cache cells.
+                k = max(0, min(self.k, remaining - 1, m.n_ctx - len(committed)))
+                new, n_accepted = self._cycle(committed, k, sc, rng, stats)
+                stop_at = next((i for i, t in enumerate(new) if m.is_eog(t)), None)
+                if stop_at is not None:
+                    new = new[:stop_at]
+                from_draft = [i < n_accepted for i in range(len(new))]
+                committed.extend(new)
+                stats.completion_tokens += len(new)
+                if stop_at is not None:
+                    m.trim(len(committed) - 1)
+                    yield new, from_draft, "stop"
                     return
-                stats.completion_tokens += 1
-                if i + 1 == config.max_tokens:
-                    yield [token], "length"
+                if stats.completion_tokens >= config.max_tokens:
+                    yield new, from_draft, "length"
                     return
                 if self._cancel.is_set():
-                    yield [token], "cancelled"
+                    yield new, from_draft, "cancelled"
                     return
-                yield [token], None
-                logits = m.decode([token])
+                yield new, from_draft, None
         finally:
             stats.decode_seconds = time.perf_counter() - t1
+
+    def _cycle(self, committed: list[int], k: int, sc: Any, rng: np.random.Generator,
+               stats: Stats) -> tuple[list[int], int]:
+        """Propose up to k tokens, verify them in one target pass; returns (new tokens, drafts accepted).
+
+        Both caches are rolled back past the first rejection in `finally`, so an
+        exception or a consumer that stops early leaves them consistent.
+        """
+        m = self.target
+        n_keep = len(committed) - 1  # what the target cache holds if this cycle commits nothing
+        n_accepted = 0
+        proposer = self.proposer if k > 0 else None
+        try:
+            t = time.perf_counter()
+            proposal = proposer.propose(committed, k) if proposer is not None else Proposal()
+            draft = proposal.tokens[:k]
+            t_verify = time.perf_counter()
+            stats.draft_seconds += t_verify - t
+            rows = m.decode([committed[-1], *draft], n_outputs=len(draft) + 1)
+            if sc.greedy:
+                n_accepted, nxt = verify.greedy(rows, draft)
+            else:
+                n_accepted, nxt = verify.sampled(rows, draft, proposal.dists, sc, rng)
+            stats.verify_seconds += time.perf_counter() - t_verify
+            stats.record(len(draft), n_accepted)
+            n_keep = len(committed) + n_accepted
+            return [*draft[:n_accepted], nxt], n_accepted
+        finally:
+            m.trim(n_keep)
+            if proposer is not None:
+                proposer.accept(n_accepted)
 
     def _prefill(self, prompt: list[int], stats: Stats) -> np.ndarray:
         """Evaluate the prompt, reusing the cached prefix; returns the last logits row."""

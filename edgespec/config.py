@@ -10,7 +10,8 @@ from edgespec.errors import InvalidRequestError
 DEFAULT_N_CTX = 4096
 DEFAULT_N_BATCH = 512
 DEFAULT_MAX_TOKENS = 256
-DEFAULT_K = 4  # most tokens proposed per cycle
+DEFAULT_K = 4  # most tokens proposed per cycle by a fixed proposer
+MAX_K = 63
 # llama.cpp's defaults for the filters; temperature 0 (greedy) as in mlx-lm,
 # so a plain `edgespec generate` is reproducible.
 DEFAULT_TEMPERATURE = 0.0
@@ -28,13 +29,13 @@ def default_threads() -> int:
 
 @dataclass(frozen=True)
 class LoadConfig:
-    n_ctx: int = DEFAULT_N_CTX
+    n_ctx: int | None = None  # None: the memory plan picks it (up to DEFAULT_N_CTX)
     n_threads: int = field(default_factory=default_threads)
     n_batch: int = DEFAULT_N_BATCH
     n_gpu_layers: int = -1  # all layers on the GPU when llama.cpp was built with one
 
     def __post_init__(self) -> None:
-        if self.n_ctx < 16:
+        if self.n_ctx is not None and self.n_ctx < 16:
             raise InvalidRequestError(f"context size {self.n_ctx} is too small; use at least 16 (e.g. --ctx 4096)")
         if self.n_threads < 1:
             raise InvalidRequestError(f"thread count {self.n_threads} must be >= 1")

@@ -10,18 +10,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Literal, Sequence
 
 import numpy as np
 
-from edgespec import chat, sampling, verify
-from edgespec.backend import Model
-from edgespec.config import DEFAULT_K, GenerationConfig, LoadConfig
-from edgespec.errors import ContextOverflowError, InvalidRequestError, UnsupportedModelError
+from edgespec import budget, chat, sampling, verify
+from edgespec.backend import Model, ModelFacts, read_facts, supports_gpu_offload
+from edgespec.budget import K_MAX_CAP, ModelMemory
+from edgespec.config import DEFAULT_K, MAX_K, GenerationConfig, LoadConfig
+from edgespec.controller import DRAFT_ACCEPT_CEILING, DRAFT_P_MIN, calibrate, draft_can_pay
+from edgespec.errors import ContextOverflowError, InvalidRequestError, OutOfMemoryError, UnsupportedModelError
 from edgespec.models import DEFAULT_MODEL, resolve
 from edgespec.proposers import PROPOSERS, Proposal, Proposer
+from edgespec.proposers.auto import AutoProposer
 from edgespec.proposers.draft import DraftProposer
 from edgespec.proposers.ngram import NgramProposer
 from edgespec.text import TextStream
@@ -52,6 +55,7 @@ class Stats:
     accepted_at: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    cycles_by_proposer: dict[str, int] = field(default_factory=dict)  # "none" counts plain steps
 
     @property
     def tokens_per_second(self) -> float:
@@ -75,8 +79,9 @@ class Stats:
     def other_seconds(self) -> float:
         return max(0.0, self.decode_seconds - self.draft_seconds - self.verify_seconds)
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, source: str) -> None:
         self.cycles += 1
+        self.cycles_by_proposer[source] = self.cycles_by_proposer.get(source, 0) + 1
         self.drafted += drafted
         self.accepted += accepted
         while len(self.drafted_at) < drafted:
@@ -113,6 +118,11 @@ class Completion:
     stats: Stats = field(default_factory=Stats)
 
 
+def memory_of(f: ModelFacts) -> ModelMemory:
+    return ModelMemory(f.path.name, f.weights_bytes, f.n_layer, f.n_head_kv, f.head_dim_k, f.head_dim_v, f.n_vocab,
+                       f.n_embd, f.n_ff, f.n_ctx_train)
+
+
 class Engine:
     """A target model ready to generate; the Python API for applications."""
 
@@ -121,51 +131,100 @@ class Engine:
         model: str | Path = DEFAULT_MODEL,
         *,
         draft: str | Path | None = None,
-        proposer: str | Proposer | None = None,
-        k: int = DEFAULT_K,
+        proposer: str | Proposer = "auto",
+        k: int | None = None,
         load: LoadConfig | None = None,
+        memory_budget: int | None = None,
         source: str | None = None,
         progress: bool = False,
     ) -> None:
         """Load `model` (a catalog name or GGUF path) and, optionally, a `draft` model.
 
-        `proposer` is "none", "ngram", "draft" (default: "draft" when a draft
-        is given, else "none") or any object with the `Proposer` protocol;
-        `k` is the most tokens proposed per cycle.
+        `proposer` is "auto" (each cycle: n-gram lookup, the draft, or a plain
+        step, whichever the calibrated costs say pays), "none", "ngram",
+        "draft", or any object with the `Proposer` protocol. `k` is the most
+        tokens proposed per cycle (default: the memory plan's Kmax for auto,
+        DEFAULT_K otherwise). The context size, whether the draft loads and
+        where layers go come from the memory plan unless `load` sets them.
         """
-        if k < 0:
-            raise InvalidRequestError(f"k {k} must be >= 0 (0 turns speculation off)")
         name = proposer if isinstance(proposer, str) else None
-        if proposer is None:
-            name = "draft" if draft is not None else "none"
         if name is not None and name not in PROPOSERS:
             raise InvalidRequestError(f"unknown proposer {name!r}; use one of {', '.join(PROPOSERS)}")
         if name == "draft" and draft is None:
             raise InvalidRequestError("proposer 'draft' needs a draft model; pass --draft NAME|PATH")
-        self.load_config = load or LoadConfig()
-        self.k = k
-        self.target = Model(resolve(str(model), source=source, progress=progress), self.load_config)
-        self.proposer: Proposer | None = None if isinstance(proposer, str) or proposer is None else proposer
+        if k is not None and not 0 <= k <= MAX_K:
+            raise InvalidRequestError(f"k {k} must be in 0..{MAX_K} (0 turns speculation off)")
+        load = load or LoadConfig()
+        self.notes: list[str] = []  # decisions a person should hear about (dropped draft, smaller context)
+        if draft is not None and name in ("none", "ngram"):
+            self.notes.append(f"draft {draft} is not used with proposer {name!r}")
+            draft = None
+        target_path = resolve(str(model), source=source, progress=progress)
+        draft_path = resolve(str(draft), source=source, progress=progress) if draft is not None else None
+        k_max = k if k is not None else (K_MAX_CAP if name == "auto" else DEFAULT_K)
+
+        facts = read_facts(target_path)
+        draft_facts = read_facts(draft_path) if draft_path is not None else None
+        self.plan = budget.plan(memory_of(facts), memory_of(draft_facts) if draft_facts else None,
+                                budget.detect_budget(supports_gpu_offload(), memory_budget),
+                                n_ctx=load.n_ctx, k_max=k_max, n_ubatch=load.n_batch)
+        self.notes += self.plan.notes
+        if draft_path is not None and not self.plan.load_draft:
+            if name == "draft":
+                raise OutOfMemoryError(f"{self.plan.notes[-1]}; use --proposer auto or ngram, or a larger --memory-budget")
+            draft_path = None
+        gpu = load.n_gpu_layers if load.n_gpu_layers >= 0 else None
+        self.load_config = replace(load, n_ctx=self.plan.n_ctx,
+                                   n_gpu_layers=self.plan.target_gpu_layers if gpu is None else gpu)
+        self.k = k_max
+        self.target = Model(target_path, self.load_config)
+        self.proposer: Proposer | None = None if isinstance(proposer, str) else proposer
         try:
             if name != "none" and not self.target.can_trim:
                 raise UnsupportedModelError(
                     f"{self.target.path.name} has a recurrent cache that cannot be rolled back, so it cannot "
                     f"verify drafts; use --proposer none"
                 )
-            if name == "ngram":
-                self.proposer = NgramProposer(self.target.is_eog)
-            elif name == "draft":
-                draft_model = Model(resolve(str(draft), source=source, progress=progress), self.load_config)
+            drafter = None
+            if draft_path is not None:
+                draft_load = replace(self.load_config, n_gpu_layers=self.plan.draft_gpu_layers if gpu is None else gpu)
+                draft_model = Model(draft_path, draft_load)
                 try:
-                    self.proposer = DraftProposer(draft_model, self.target)
+                    drafter = DraftProposer(draft_model, self.target, p_min=DRAFT_P_MIN if name == "auto" else 0.0)
                 except BaseException:
                     draft_model.close()
                     raise
+            if name == "ngram":
+                self.proposer = NgramProposer(self.target.is_eog)
+            elif name == "draft":
+                self.proposer = drafter
+            elif name == "auto":
+                self.proposer = self._auto(drafter, k_max)
         except BaseException:
             self.target.close()
             raise
         self._lock = threading.Lock()  # one generation at a time per engine
         self._cancel = threading.Event()
+
+    def _auto(self, drafter: DraftProposer | None, k_max: int) -> AutoProposer:
+        """Calibrate this machine's costs; drop a draft that cannot pay even if always right."""
+        try:
+            self.costs = calibrate(self.target, drafter.model if drafter else None, k_max)
+        except BaseException:
+            if drafter is not None:
+                drafter.close()
+            raise
+        c = self.costs
+        if drafter is not None and not draft_can_pay(c, k_max):
+            self.notes.append(
+                f"draft {drafter.model.path.name} unloaded: on this machine it would be slower than plain decoding "
+                f"even at {DRAFT_ACCEPT_CEILING:.0%} acceptance (draft ÷ target per token "
+                f"{c.draft_seconds_per_token / c.target_seconds[0]:.2f}, "
+                f"verifying {c.batches[-1]} tokens costs {c.target_seconds[-1] / c.target_seconds[0]:.1f} single steps)"
+            )
+            drafter.close()
+            drafter = None
+        return AutoProposer(NgramProposer(self.target.is_eog), drafter, c)
 
     def close(self) -> None:
         if self.proposer is not None:
@@ -313,7 +372,7 @@ class Engine:
             else:
                 n_accepted, nxt = verify.sampled(rows, draft, proposal.dists, sc, rng)
             stats.verify_seconds += time.perf_counter() - t_verify
-            stats.record(len(draft), n_accepted)
+            stats.record(len(draft), n_accepted, proposal.source if draft else "none")
             n_keep = len(committed) + n_accepted
             return [*draft[:n_accepted], nxt], n_accepted
         finally:

@@ -59,7 +59,7 @@ def test_batched_rows_of_qwen_move_the_top_two_gap_by_less_than_the_near_tie_bou
         m.decode(toks[:120])
         worst = 0.0
         for b in (3, 5, 9):
-            for s in range(120, 180 - b, 2 * b):
+            for s in range(120, 180 - b, b):
                 m.trim(s)
                 batched = m.decode(toks[s : s + b], n_outputs=b).copy()
                 m.trim(s)

@@ -31,7 +31,7 @@ def llama_cpp_python_greedy(path, prompt: str, n: int, n_ctx: int = 1024) -> str
 def test_greedy_matches_llama_cpp_python(which, request):
     path = request.getfixturevalue(which)
     r = run_cli("generate", "--model", str(path), "--prompt", CODE_PROMPT, "--max-tokens", "48", "--threads", "2",
-                "--ctx", "1024", "--json", "--quiet")
+                "--ctx", "1024", "--json", "--quiet", "--proposer", "none")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert set(out) >= {"text", "tokens", "finish_reason", "stats"}
@@ -49,7 +49,7 @@ def test_json_stats_and_finish_reason_length(smollm_path):
 
 
 def test_chat_uses_the_model_template_and_stops_at_eos(qwen_path):
-    with Engine(qwen_path, load=LoadConfig(n_ctx=512, n_threads=2)) as e:
+    with Engine(qwen_path, proposer="none", load=LoadConfig(n_ctx=512, n_threads=2)) as e:
         tokens = e.chat_tokens([{"role": "user", "content": "Reply with just the word: yes"}])
         assert e.target.token_text(tokens[0]) == "<|im_start|>"
         assert "Reply with just the word: yes" in e.target.detokenize(tokens)
@@ -59,7 +59,7 @@ def test_chat_uses_the_model_template_and_stops_at_eos(qwen_path):
 
 def test_seeded_sampling_is_reproducible(smollm_path):
     cfg = GenerationConfig(max_tokens=24, sampling=SamplingConfig(temperature=1.0, seed=11))
-    with Engine(smollm_path, load=LoadConfig(n_ctx=512, n_threads=2)) as e:
+    with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512, n_threads=2)) as e:
         a = e.generate("Once upon a time, a cat named Tom", cfg)
         b = e.generate("Once upon a time, a cat named Tom", cfg)
         c = e.generate("Once upon a time, a cat named Tom", GenerationConfig(max_tokens=24, sampling=SamplingConfig(
@@ -69,7 +69,7 @@ def test_seeded_sampling_is_reproducible(smollm_path):
 
 
 def test_stream_never_splits_a_utf8_character(qwen_path):
-    with Engine(qwen_path, load=LoadConfig(n_ctx=512, n_threads=2)) as e:
+    with Engine(qwen_path, proposer="none", load=LoadConfig(n_ctx=512, n_threads=2)) as e:
         tokens = e.chat_tokens([{"role": "user", "content": "List 5 rare CJK characters like 龘 and 靐 with their meanings."}])
         chunks = list(e.stream(tokens, GenerationConfig(max_tokens=40)))
         ids = [t for c in chunks for t in c.tokens]
@@ -88,7 +88,7 @@ def _decodes(b: bytes) -> bool:
 
 
 def test_prefix_of_previous_call_is_reused(smollm_path):
-    with Engine(smollm_path, load=LoadConfig(n_ctx=512, n_threads=2)) as e:
+    with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512, n_threads=2)) as e:
         first = e.generate("The quick brown fox jumps over the lazy dog. " * 4, GenerationConfig(max_tokens=4))
         again = e.generate("The quick brown fox jumps over the lazy dog. " * 4, GenerationConfig(max_tokens=4))
     assert first.tokens == again.tokens
@@ -100,8 +100,8 @@ def test_prefix_of_previous_call_is_reused(smollm_path):
     [
         (["-m", "/nonexistent/model.gguf"], "does not exist"),
         (["-m", "no-such-model"], "neither an existing file nor a catalog name"),
-        (["--ctx", "64", "-p", "word " * 400], "the prompt has"),
-        (["--ctx", "64", "-n", "1000"], "use --max-tokens"),
+        (["--ctx", "256", "-p", "word " * 400], "the prompt has"),
+        (["--ctx", "256", "-n", "1000"], "use --max-tokens"),
         (["-n", "0"], "max_tokens 0 must be >= 1"),
         (["-t", "-2"], "temperature -2.0"),
     ],

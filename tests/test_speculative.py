@@ -48,7 +48,7 @@ CHAT = [
 
 @pytest.fixture(scope="module")
 def draft_engine(qwen_path, qwen_draft_path):
-    with Engine(qwen_path, draft=qwen_draft_path, k=4, load=LOAD) as e:
+    with Engine(qwen_path, draft=qwen_draft_path, proposer="draft", k=4, load=LOAD) as e:
         yield e
 
 
@@ -135,7 +135,7 @@ def test_self_draft_rejects_only_at_near_ties(qwen_path, monkeypatch, capsys):
         return n, nxt
 
     monkeypatch.setattr(verify, "greedy", recording_greedy)
-    with Engine(qwen_path, draft=qwen_path, k=4, load=LOAD) as e:
+    with Engine(qwen_path, draft=qwen_path, proposer="draft", k=4, load=LOAD) as e:
         drafted = accepted = 0
         for text in CODE[:3]:
             s = e.generate(text, GenerationConfig(max_tokens=96)).stats
@@ -189,7 +189,7 @@ class Scripted:
 
 
 def test_eos_inside_an_accepted_block(qwen_path):
-    with Engine(qwen_path, load=LOAD) as plain:
+    with Engine(qwen_path, proposer="none", load=LOAD) as plain:
         prompt = plain.chat_tokens([{"role": "user", "content": "Reply with just the word: yes"}])
         ref, _ = target_only(plain, prompt, 20)
         eos = plain.target.vocab.eos
@@ -269,7 +269,7 @@ def test_cancel_from_another_thread(ngram_engine):
 
 def test_draft_with_another_vocabulary_is_refused(qwen_path, smollm_path):
     with pytest.raises(IncompatibleDraftError) as e:
-        Engine(qwen_path, draft=smollm_path, load=LOAD)
+        Engine(qwen_path, draft=smollm_path, proposer="draft", load=LOAD)
     msg = str(e.value)
     assert qwen_path.name in msg and smollm_path.name in msg and "n-gram" in msg
 
@@ -283,7 +283,7 @@ def test_incompatible_draft_on_the_cli_is_one_line(qwen_path, smollm_path):
 def test_json_reports_speculation_stats(qwen_path, qwen_draft_path):
     import json
 
-    r = CliRunner().invoke(cli, ["generate", "-m", str(qwen_path), "--draft", str(qwen_draft_path), "-k", "3",
+    r = CliRunner().invoke(cli, ["generate", "-m", str(qwen_path), "--draft", str(qwen_draft_path), "--proposer", "draft", "-k", "3",
                                  "-p", CODE[0], "-n", "24", "--json", "-q", "--ctx", "512"])
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)["stats"]
@@ -293,3 +293,19 @@ def test_json_reports_speculation_stats(qwen_path, qwen_draft_path):
         assert key in s
     assert s["drafted"] > 0 and 0 < len(s["acceptance_by_position"]) <= 3
     assert s["accepted"] == round(s["acceptance_rate"] * s["drafted"])
+
+
+def test_auto_is_lossless_and_decides_about_the_draft_from_its_calibration(qwen_path, qwen_draft_path, capsys):
+    from edgespec.controller import draft_can_pay
+
+    with Engine(qwen_path, draft=qwen_draft_path, load=LOAD) as e:
+        assert e.proposer.name == "auto"
+        kept = e.proposer.draft is not None
+        assert kept == draft_can_pay(e.costs, e.k)
+        assert kept or any("unloaded" in n for n in e.notes)
+        cases = [("chat", CHAT[0]), ("code", CODE[3]), ("prose", PROSE[2])]
+        exact, notes, _ = check_lossless(e, cases)
+        with capsys.disabled():
+            print(f"\nauto: draft {'kept' if kept else 'unloaded'}; t(B)/t(1) "
+                  f"{[round(t / e.costs.target_seconds[0], 2) for t in e.costs.target_seconds]}; "
+                  f"{exact}/{len(cases)} identical" + "".join(f"\n  {n}" for n in notes))

@@ -26,6 +26,7 @@ class Proposal:
     # How sure the proposer is, per token, in [0, 1]: the draft's probability of
     # its token, or for n-gram lookup the match length over the longest n.
     confidence: list[float] = field(default_factory=list)
+    source: str = ""  # which proposer made it ("ngram", "draft"; "none" for a plain step)
 
 
 class Proposer(Protocol):
@@ -40,4 +41,4 @@ class Proposer(Protocol):
     def close(self) -> None: ...
 
 
-PROPOSERS = ("none", "ngram", "draft")
+PROPOSERS = ("auto", "none", "ngram", "draft")

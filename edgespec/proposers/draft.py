@@ -51,9 +51,10 @@ def check_compatible(target: Model, draft: Model) -> None:
 class DraftProposer:
     name = "draft"
 
-    def __init__(self, draft: Model, target: Model) -> None:
+    def __init__(self, draft: Model, target: Model, p_min: float = 0.0) -> None:
         check_compatible(target, draft)
         self.model = draft
+        self.p_min = p_min  # stop drafting at a token the draft itself rates below this
         self._n_vocab = min(draft.n_vocab, target.n_vocab)
         self._cfg = SamplingConfig()
         self._rng = np.random.default_rng()
@@ -74,7 +75,7 @@ class DraftProposer:
         if k <= 0:
             return Proposal()
         logits = m.decode(context[m.n_past :], n_outputs=1)[-1]
-        out = Proposal([], None if self._cfg.greedy else [], [])
+        out = Proposal([], None if self._cfg.greedy else [], [], "draft")
         for i in range(k):
             row = logits[: self._n_vocab]
             if self._cfg.greedy:
@@ -85,6 +86,8 @@ class DraftProposer:
                 tok = sampling.draw(*dist, self._rng)
                 out.dists.append(dist)  # type: ignore[union-attr]
                 conf = float(dist[1][dist[0] == tok][0])
+            if conf < self.p_min:
+                break
             out.tokens.append(tok)
             out.confidence.append(conf)
             if i == k - 1 or m.is_eog(tok) or m.n_past >= m.n_ctx:

@@ -50,7 +50,7 @@ class NgramProposer:
                     break  # never propose past the end of a turn or document
                 out.append(t)
             if out:
-                return Proposal(out, None, [n / self.n_max] * len(out))
+                return Proposal(out, None, [n / self.n_max] * len(out), "ngram")
         return Proposal()
 
     def accept(self, n_accepted: int) -> None:

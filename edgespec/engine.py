@@ -243,14 +243,18 @@ class Engine:
         """A raw prompt's tokens: BOS as the model asks, special tokens parsed."""
         return self.target.tokenize(prompt, add_special=True, parse_special=True)
 
-    def chat_tokens(self, messages: Sequence[chat.Message], add_generation_prompt: bool = True) -> list[int]:
-        """Tokens of `messages` laid out by the model's own chat template."""
+    def chat_text(self, messages: Sequence[chat.Message], add_generation_prompt: bool = True) -> str:
+        """`messages` laid out by the model's own chat template."""
         m = self.target
         bos = m.token_text(m.vocab.bos) if m.vocab.bos is not None else ""
         eos = m.token_text(m.vocab.eos) if m.vocab.eos is not None else ""
-        text = chat.render(m.facts.chat_template, messages, bos_token=bos, eos_token=eos,
+        return chat.render(m.facts.chat_template, messages, bos_token=bos, eos_token=eos,
                            add_generation_prompt=add_generation_prompt, model_name=m.path.name)
-        tokens = m.tokenize(text, add_special=True, parse_special=True)
+
+    def chat_tokens(self, messages: Sequence[chat.Message], add_generation_prompt: bool = True) -> list[int]:
+        """Tokens of `messages` laid out by the model's own chat template."""
+        m = self.target
+        tokens = m.tokenize(self.chat_text(messages, add_generation_prompt), add_special=True, parse_special=True)
         if len(tokens) > 1 and tokens[0] == tokens[1] == m.vocab.bos:
             tokens = tokens[1:]  # the template wrote the BOS the tokenizer also adds
         return tokens

@@ -5,23 +5,33 @@ noise hits every mode alike; per category the script reports decode tok/s
 (tokens after the first, over decode time), its ratio to plain decoding in the
 same run, and acceptance. Greedy, as Spec-Bench is usually reported.
 
-    python scripts/bench_spec.py --modes none,ngram:2,ngram:4,ngram:8,draft:2,draft:4
+    python scripts/bench_spec.py --llama-cpp --plot
+        # modes none, ngram:2/4/8, draft:2/4 and auto; llama.cpp's own n-gram speculation on the
+        # code-editing set (tools built by scripts/llama_tools.py); PNG next to the JSON
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import llama_tools  # noqa: E402
 import workloads  # noqa: E402
 
 from edgespec import Engine, GenerationConfig, LoadConfig  # noqa: E402
+from edgespec.models import resolve  # noqa: E402
+
+# llama.cpp's n-gram speculation, each with its default draft length and with 16.
+LLAMA_CPP_MODES = (("ngram-map-k", 3), ("ngram-map-k", 16), ("ngram-mod", 3), ("ngram-mod", 16))
 
 
 def parse_modes(text: str) -> list[tuple[str, int]]:
@@ -36,7 +46,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--modes", default="none,ngram:2,ngram:4,ngram:8,draft:2,draft:4")
+    ap.add_argument("--modes", default="none,ngram:2,ngram:4,ngram:8,draft:2,draft:4,auto")
+    ap.add_argument("--llama-cpp", action="store_true", help="also run llama-speculative-simple on the code-edit set")
+    ap.add_argument("--plot", action="store_true", help="write a PNG (needs matplotlib)")
     ap.add_argument("--per-category", type=int, default=2, help="Spec-Bench questions per category")
     ap.add_argument("--code-edits", type=int, default=6, help="prompts in the code-editing set")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -51,7 +63,12 @@ def main() -> None:
     if "ngram" in names:
         engines["ngram"] = Engine(args.model, proposer="ngram", load=load)
     if "draft" in names:
-        engines["draft"] = Engine(args.model, draft=args.draft, load=load)
+        engines["draft"] = Engine(args.model, draft=args.draft, proposer="draft", load=load)
+    if "auto" in names:
+        engines["auto"] = Engine(args.model, draft=args.draft, load=load)
+        for note in engines["auto"].notes:
+            print(f"auto: {note}", file=sys.stderr)
+    tool = llama_tools.tool("llama-speculative-simple", build=True) if args.llama_cpp else None
     prompts = workloads.spec_bench(args.per_category) + workloads.code_edits(args.code_edits)
     config = GenerationConfig(max_tokens=args.max_tokens)
 
@@ -60,31 +77,109 @@ def main() -> None:
     for i, (category, text) in enumerate(prompts):
         for name, k in modes:
             engine = engines[name]
-            engine.k = k
+            if k:
+                engine.k = k
             tokens = engine.chat_tokens([{"role": "user", "content": text}])
             s = engine.generate(tokens, config).stats
             rows.append({"category": category, "prompt": i, "mode": f"{name}:{k}" if k else name,
                          "tokens": s.completion_tokens - 1, "seconds": s.decode_seconds, "drafted": s.drafted,
                          "accepted": s.accepted, "cycles": s.cycles, "accepted_at": s.accepted_at,
-                         "drafted_at": s.drafted_at})
+                         "drafted_at": s.drafted_at, "by_proposer": s.cycles_by_proposer})
+        if tool is not None and category == "code-edit":
+            prompt_text = engines["none"].chat_text([{"role": "user", "content": text}])
+            for spec, n_max in LLAMA_CPP_MODES:
+                n, secs, drafted, accepted = run_llama_cpp(tool, resolve(args.model), prompt_text, spec, n_max,
+                                                           args.max_tokens, args.threads)
+                rows.append({"category": category, "prompt": i, "mode": f"llama.cpp {spec}:{n_max}", "tokens": n,
+                             "seconds": secs, "drafted": drafted, "accepted": accepted, "cycles": 0})
         print(f"[{i + 1}/{len(prompts)}] {category} done, {time.time() - t_start:.0f}s", file=sys.stderr)
 
-    report(rows, [f"{n}:{k}" if k else n for n, k in modes])
+    mode_names = [f"{n}:{k}" if k else n for n, k in modes]
+    if tool is not None:
+        mode_names += [f"llama.cpp {s}:{n}" for s, n in LLAMA_CPP_MODES]
+    report(rows, mode_names)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
+    if args.plot:
+        plot(rows, mode_names, args.out.with_suffix(".png"))
 
 
-def report(rows: list[dict], modes: list[str]) -> None:
+def run_llama_cpp(tool: Path, model: Path, prompt: str, spec: str, n_max: int, n: int, threads: int):
+    """llama-speculative-simple on the same (already templated) prompt; its own decode figures."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(prompt)
+        f.flush()
+        out = subprocess.run([str(tool), "-m", str(model), "-f", f.name, "-n", str(n), "-t", str(threads),
+                              "--temp", "0", "-c", "4096", "--spec-type", spec, "--spec-draft-n-max", str(n_max)],
+                             capture_output=True, text=True, check=True)
+    text = out.stdout + out.stderr
+    m = re.search(r"decoded\s+(\d+) tokens in\s+([0-9.]+) seconds", text)
+    drafted = re.search(r"n_drafted\s*=\s*(\d+)", text)
+    accepted = re.search(r"n_accept\s*=\s*(\d+)", text)
+    return int(m.group(1)), float(m.group(2)), int(drafted.group(1)), int(accepted.group(1))
+
+
+def plot(rows: list[dict], modes: list[str], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    speed = _aggregate(rows)
+    cats = list(dict.fromkeys(r["category"] for r in rows))
+    shown = [m for m in modes if m != "none" and not m.startswith("llama.cpp")]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
+    width = 0.8 / len(shown)
+    for j, m in enumerate(shown):
+        vals = [_ratio(speed, c, m) for c in cats]
+        ax1.bar([i + j * width for i in range(len(cats))], vals, width, label=m)
+    ax1.axhline(1.0, color="black", linewidth=0.8)
+    ax1.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=30, ha="right")
+    ax1.set_ylabel("decode speed ÷ plain decoding")
+    ax1.set_title("Speedup by category (same run)")
+    ax1.legend(fontsize=8)
+    for m in shown:
+        drafted, accepted = [0] * 16, [0] * 16
+        for r in rows:
+            if r["mode"] == m:
+                for i, (d, a) in enumerate(zip(r.get("drafted_at", []), r.get("accepted_at", []))):
+                    drafted[i] += d
+                    accepted[i] += a
+        xs = [i + 1 for i in range(16) if drafted[i] >= 5]
+        if xs:
+            ax2.plot(xs, [accepted[i - 1] / drafted[i - 1] for i in xs], marker="o", label=m)
+    ax2.set_xlabel("draft position")
+    ax2.set_ylabel("acceptance rate")
+    ax2.set_ylim(0, 1.05)
+    ax2.set_title("Acceptance by draft position (all prompts)")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}", file=sys.stderr)
+
+
+def _aggregate(rows: list[dict]) -> dict[tuple[str, str], list[float]]:
     agg: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
     for r in rows:
-        for cat in (r["category"], "all Spec-Bench" if r["category"] != "code-edit" else None):
-            if cat is None:
-                continue
+        cats = [r["category"]] + (["all Spec-Bench"] if r["category"] != "code-edit" else [])
+        for cat in cats:
             a = agg[(cat, r["mode"])]
             a[0] += r["tokens"]
             a[1] += r["seconds"]
             a[2] += r["drafted"]
             a[3] += r["accepted"]
+    return agg
+
+
+def _ratio(agg, cat: str, mode: str) -> float:
+    base, a = agg[(cat, "none")], agg[(cat, mode)]
+    if not (base[1] and a[1]):
+        return 0.0
+    return (a[0] / a[1]) / (base[0] / base[1])
+
+
+def report(rows: list[dict], modes: list[str]) -> None:
+    agg = _aggregate(rows)
     cats = list(dict.fromkeys(r["category"] for r in rows)) + ["all Spec-Bench"]
     print("\ndecode speed ÷ plain decoding in the same run (acceptance in brackets)\n")
     print("| category | plain tok/s | " + " | ".join(m for m in modes if m != "none") + " |")
@@ -97,9 +192,11 @@ def report(rows: list[dict], modes: list[str]) -> None:
             if m == "none":
                 continue
             a = agg[(cat, m)]
-            tps = a[0] / a[1] if a[1] else 0.0
+            if not a[1]:
+                cells.append("–")
+                continue
             acc = f" ({a[3] / a[2]:.0%})" if a[2] else ""
-            cells.append(f"{tps / base_tps:.2f}×{acc}" if base_tps else "n/a")
+            cells.append(f"{_ratio(agg, cat, m):.2f}×{acc}")
         print(f"| {cat} | {base_tps:.1f} | " + " | ".join(cells) + " |")
 
 

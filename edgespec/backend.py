@@ -189,13 +189,18 @@ class Model:
             self._b_pos[:m] = np.arange(self.n_past, self.n_past + m, dtype=np.int32)
             self._b_logits[:m] = np.arange(start, start + m) >= first_out
             self._batch.n_tokens = m
-            rc = llama_cpp.llama_decode(self._ctx, self._batch)
+            try:
+                rc = llama_cpp.llama_decode(self._ctx, self._batch)
+                if rc == 0:
+                    self.tokens.extend(toks[start : start + m].tolist())
+            except BaseException:  # e.g. KeyboardInterrupt between the C call and the mirror update
+                self._resync()
+                raise
             if rc != 0:
                 self._resync()
                 if rc == 1:
                     raise ContextOverflowError(f"no KV slot for {m} tokens at position {self.n_past}; use a larger --ctx")
                 raise EdgespecError(f"llama_decode failed with code {rc} at position {self.n_past}")
-            self.tokens.extend(int(t) for t in toks[start : start + m])
         if n_outputs == 0:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         ptr = llama_cpp.llama_get_logits(self._ctx)
@@ -224,8 +229,12 @@ class Model:
         return int(llama_cpp.llama_memory_seq_pos_max(self._mem, _SEQ))
 
     def _resync(self) -> None:
-        # After a failed decode, llama.cpp may keep some of the batch; believe it.
-        del self.tokens[self.pos_max() + 1 :]
+        """Make the cache and its mirror agree after an interrupted or failed decode."""
+        held = self.pos_max() + 1
+        if held > len(self.tokens):  # decoded, but interrupted before the mirror was updated
+            llama_cpp.llama_memory_seq_rm(self._mem, _SEQ, len(self.tokens), -1)
+        else:  # llama.cpp kept only part of a failed batch
+            del self.tokens[held:]
 
     def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
         llama_cpp.llama_set_n_threads(self._ctx, n_threads, n_threads_batch or n_threads)

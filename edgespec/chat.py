@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -52,3 +52,59 @@ def render(
             f"the chat template of {model_name} failed to render ({type(e).__name__}: {e}); "
             f"use plain completion (no --chat) or a GGUF with a working template"
         ) from e
+
+
+class ChatSession:
+    """Multi-turn state over one engine. Each turn re-renders the conversation, and
+    the engine's prefix reuse means only the new tokens are evaluated; when the
+    context fills, the oldest turns are dropped (the system prompt stays)."""
+
+    def __init__(self, engine: Any, config: Any, system: str | None = None, stop: Sequence[str] = ()) -> None:
+        self.engine, self.config, self.system, self.stop = engine, config, system, tuple(stop)
+        self.turns: list[Message] = []
+        self.last_stats: Any = None
+        self.last_finish: str | None = None
+        self.notices: list[str] = []  # things the person should be told (dropped turns)
+
+    def messages(self) -> list[Message]:
+        return ([{"role": "system", "content": self.system}] if self.system else []) + self.turns
+
+    def reset(self) -> None:
+        self.turns.clear()
+        self.last_stats = None
+
+    def send(self, text: str) -> Iterator[Any]:
+        """Stream the answer to `text` as engine Chunks; a partial answer (cancelled) is kept."""
+        from dataclasses import replace
+
+        self.turns.append({"role": "user", "content": text})
+        try:
+            tokens = self._fit()
+        except BaseException:
+            self.turns.pop()
+            raise
+        room = self.engine.target.n_ctx - len(tokens)
+        config = replace(self.config, max_tokens=min(self.config.max_tokens, room))
+        answer: list[str] = []
+        try:
+            for chunk in self.engine.stream(tokens, config, stop=self.stop):
+                answer.append(chunk.text)
+                if chunk.stats is not None:
+                    self.last_stats, self.last_finish = chunk.stats, chunk.finish_reason
+                yield chunk
+        finally:
+            self.turns.append({"role": "assistant", "content": "".join(answer)})
+
+    def _fit(self) -> list[int]:
+        """The prompt tokens, after dropping the oldest turns until an answer has room."""
+        n_ctx = self.engine.target.n_ctx
+        want = min(self.config.max_tokens, n_ctx // 4)
+        tokens = self.engine.chat_tokens(self.messages())
+        dropped = 0
+        while len(tokens) + want > n_ctx and len(self.turns) > 1:
+            del self.turns[:2]  # a user message and its answer
+            dropped += 1
+            tokens = self.engine.chat_tokens(self.messages())
+        if dropped:
+            self.notices.append(f"context full ({n_ctx} tokens): dropped the {dropped} oldest turn(s)")
+        return tokens

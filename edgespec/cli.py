@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -63,72 +64,235 @@ def _source_option(f: Callable[..., Any]) -> Callable[..., Any]:
                              "env EDGESPEC_MODEL_SOURCE).")(f)
 
 
+def _options(*decorators: Callable[..., Any]) -> Callable[..., Any]:
+    def apply(f: Callable[..., Any]) -> Callable[..., Any]:
+        for d in reversed(decorators):
+            f = d(f)
+        return f
+
+    return apply
+
+
+# Options shared by every command that loads an engine, and by every command that samples.
+_engine_options = _options(
+    click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Catalog name or path of a GGUF file."),
+    click.option("-d", "--draft", default=None, help="Draft model (catalog name or GGUF path)."),
+    click.option("--proposer", type=click.Choice(PROPOSERS), default="auto", show_default=True,
+                 help="auto picks n-gram lookup, the draft or a plain step each cycle from measured costs; "
+                      "none, ngram and draft force one."),
+    click.option("-k", "--k", "k", type=int, default=None,
+                 help=f"Most tokens proposed per cycle [default: the memory plan's Kmax for auto, {DEFAULT_K} otherwise]."),
+    click.option("--memory-budget", default=None, help="Memory the models may use, e.g. 6GiB [default: detected]."),
+    click.option("--threads", type=int, default=None, help="CPU threads [default: physical cores]."),
+    click.option("--ctx", "n_ctx", type=int, default=None,
+                 help=f"Context size in tokens [default: up to {DEFAULT_N_CTX}, as the memory plan allows]."),
+    click.option("-q", "--quiet", is_flag=True, help="No progress, notes or stats on stderr."),
+    _source_option,
+)
+_sampling_options = _options(
+    click.option("-n", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, show_default=True),
+    click.option("-t", "--temperature", type=float, default=DEFAULT_TEMPERATURE, show_default=True,
+                 help="0 is greedy decoding."),
+    click.option("--top-k", type=int, default=DEFAULT_TOP_K, show_default=True),
+    click.option("--top-p", type=float, default=DEFAULT_TOP_P, show_default=True),
+    click.option("--min-p", type=float, default=DEFAULT_MIN_P, show_default=True),
+    click.option("--seed", type=int, default=None, help="Seed for sampling; the same seed gives the same output."),
+    click.option("--stop", multiple=True, help="Stop at this string (repeatable); it is not printed."),
+)
+
+
+def _generation_config(o: dict[str, Any]) -> GenerationConfig:
+    return GenerationConfig(max_tokens=o["max_tokens"], sampling=SamplingConfig(
+        temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"], seed=o["seed"]))
+
+
+def _open_engine(o: dict[str, Any]):
+    """Load the engine the options describe, telling a person what happens unless --quiet."""
+    from edgespec.engine import Engine
+
+    show = not o["quiet"]
+    if show:
+        click.echo(click.style(f"loading {o['model']}" + (f" + {o['draft']}" if o["draft"] else "") + " …", dim=True),
+                   err=True)
+    engine = Engine(o["model"], draft=o["draft"], proposer=o["proposer"], k=o["k"],
+                    load=LoadConfig(n_ctx=o["n_ctx"], n_threads=o["threads"] or default_threads()),
+                    memory_budget=parse_size(o["memory_budget"]) if o["memory_budget"] else None,
+                    source=o["source"], progress=show)
+    if show:
+        for note in engine.notes:
+            click.echo(click.style(f"note: {note}", fg="yellow"), err=True)
+    return engine
+
+
+def _stats_line(s: Any, finish: str | None = None) -> str:
+    spec = (f", {s.accepted}/{s.drafted} drafted accepted ({s.acceptance_rate:.0%}), "
+            f"{s.mean_accepted_per_cycle:.2f} per cycle") if s.drafted else ""
+    reused = f" ({s.cached_prompt_tokens} reused)" if s.cached_prompt_tokens else ""
+    end = f", {finish}" if finish else ""
+    return (f"[{s.prompt_tokens} prompt tokens{reused} in {s.prefill_seconds:.2f}s, {s.completion_tokens} generated "
+            f"at {s.tokens_per_second:.1f} tok/s{spec}{end}]")
+
+
+def _print_stream(chunks: Any) -> Any:
+    """Print text as it is committed; returns the last chunk (with stats)."""
+    last = None
+    for last in chunks:
+        click.echo(last.text, nl=False)
+        sys.stdout.flush()
+    click.echo()
+    return last
+
+
 @cli.command()
-@click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Catalog name or path of a GGUF file.")
-@click.option("-d", "--draft", default=None, help="Draft model (catalog name or GGUF path) for --proposer draft.")
-@click.option("--proposer", type=click.Choice(PROPOSERS), default="auto", show_default=True,
-              help="auto picks n-gram lookup, the draft or a plain step each cycle from measured costs; "
-                   "none, ngram and draft force one.")
-@click.option("-k", "--k", "k", type=int, default=None,
-              help=f"Most tokens proposed per cycle [default: the memory plan's Kmax for auto, {DEFAULT_K} otherwise].")
-@click.option("--memory-budget", default=None, help="Memory the models may use, e.g. 6GiB [default: detected].")
+@_engine_options
+@_sampling_options
 @click.option("-p", "--prompt", help="Prompt text.")
 @click.option("-f", "--prompt-file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Read the prompt from a file.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
-@click.option("-n", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, show_default=True)
-@click.option("-t", "--temperature", type=float, default=DEFAULT_TEMPERATURE, show_default=True,
-              help="0 is greedy decoding.")
-@click.option("--top-k", type=int, default=DEFAULT_TOP_K, show_default=True)
-@click.option("--top-p", type=float, default=DEFAULT_TOP_P, show_default=True)
-@click.option("--min-p", type=float, default=DEFAULT_MIN_P, show_default=True)
-@click.option("--seed", type=int, default=None, help="Seed for sampling; the same seed gives the same output.")
-@click.option("--stop", multiple=True, help="Stop at this string (repeatable); it is not printed.")
-@click.option("--threads", type=int, default=None, help="CPU threads [default: physical cores].")
-@click.option("--ctx", "n_ctx", type=int, default=None,
-              help=f"Context size in tokens [default: up to {DEFAULT_N_CTX}, as the memory plan allows].")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, tokens, finish_reason, stats.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress or stats on stderr.")
-@_source_option
 @_errors
-def generate(model: str, draft: str | None, proposer: str, k: int | None, memory_budget: str | None, prompt: str | None, prompt_file: Path | None, chat: bool, max_tokens: int,
-             temperature: float, top_k: int, top_p: float, min_p: float, seed: int | None, stop: tuple[str, ...],
-             threads: int | None, n_ctx: int | None, as_json: bool, quiet: bool, source: str | None) -> None:
+def generate(prompt: str | None, prompt_file: Path | None, chat: bool, as_json: bool, **o: Any) -> None:
     """Generate a completion for one prompt."""
-    from edgespec.engine import Engine
-
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-file FILE")
     text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")  # type: ignore[union-attr]
-    config = GenerationConfig(
-        max_tokens=max_tokens,
-        sampling=SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed),
-    )
-    load = LoadConfig(n_ctx=n_ctx, n_threads=threads or default_threads())
-    show = not quiet
-    if show:
-        click.echo(f"loading {model} …", err=True)
-    with Engine(model, draft=draft, proposer=proposer, k=k, load=load, source=source, progress=show,
-                memory_budget=parse_size(memory_budget) if memory_budget else None) as engine:
-        if show:
-            for note in engine.notes:
-                click.echo(f"note: {note}", err=True)
+    config = _generation_config(o)
+    with _open_engine(o) as engine:
         tokens = engine.chat_tokens([{"role": "user", "content": text}]) if chat else engine.tokenize(text)
         if as_json:
-            out = engine.generate(tokens, config, stop=stop)
+            out = engine.generate(tokens, config, stop=o["stop"])
             click.echo(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
                                    "stats": out.stats.to_dict()}))
             return
-        last = None
-        for last in engine.stream(tokens, config, stop=stop):
-            click.echo(last.text, nl=False)
-            sys.stdout.flush()
-        click.echo()
-        if show and last is not None and last.stats is not None:
-            s = last.stats
-            spec = f", {s.acceptance_rate:.0%} of {s.drafted} drafted accepted" if s.drafted else ""
-            click.echo(f"[{s.prompt_tokens} prompt tokens in {s.prefill_seconds:.2f}s, {s.completion_tokens} "
-                       f"generated at {s.tokens_per_second:.1f} tok/s{spec}, {last.finish_reason}]", err=True)
+        last = _print_stream(engine.stream(tokens, config, stop=o["stop"]))
+        if not o["quiet"] and last is not None and last.stats is not None:
+            click.echo(click.style(_stats_line(last.stats, last.finish_reason), dim=True), err=True)
+
+
+@cli.command()
+@_engine_options
+@_sampling_options
+@click.option("-p", "--prompt", help="Prompt text [default: read standard input].")
+@_errors
+def complete(prompt: str | None, **o: Any) -> None:
+    """Raw completion of a prompt (from --prompt or stdin), no chat template: for scripts."""
+    text = prompt if prompt is not None else sys.stdin.read()
+    with _open_engine(o) as engine:
+        last = _print_stream(engine.stream(engine.tokenize(text), _generation_config(o), stop=o["stop"]))
+        if not o["quiet"] and last is not None and last.stats is not None:
+            click.echo(click.style(_stats_line(last.stats, last.finish_reason), dim=True), err=True)
+
+
+CHAT_HELP = "/reset  forget the conversation   /stats  numbers of the last answer\n" \
+            "/system TEXT  set the system prompt   /exit  leave (or Ctrl-D); Ctrl-C stops an answer"
+
+
+@cli.command("chat")
+@_engine_options
+@_sampling_options
+@click.option("-s", "--system", default=None, help="System prompt.")
+@click.option("--interactive/--once", default=None,
+              help="Prompt for turns, or answer standard input once [default: prompt when stdin is a terminal].")
+@_errors
+def chat_cmd(system: str | None, interactive: bool | None, **o: Any) -> None:
+    """Talk with a model; tokens stream as they are accepted. Piped input gets one answer."""
+    from edgespec.chat import ChatSession
+
+    if o["max_tokens"] == DEFAULT_MAX_TOKENS:
+        o["max_tokens"] = 4096  # in a chat the context, not a fixed number, bounds an answer
+    with _open_engine(o) as engine:
+        session = ChatSession(engine, _generation_config(o), system=system, stop=o["stop"])
+        if not (sys.stdin.isatty() if interactive is None else interactive):
+            text = sys.stdin.read().strip()
+            if text:
+                _answer(session, text, o["quiet"])
+            return
+        if not o["quiet"]:
+            click.echo(click.style(CHAT_HELP, dim=True), err=True)
+        while True:
+            try:
+                click.echo(click.style(">>> ", fg="green", bold=True), nl=False)
+                line = input()
+            except EOFError:
+                click.echo()
+                return
+            except KeyboardInterrupt:
+                click.echo()
+                continue
+            line = line.strip()
+            if not line:
+                continue
+            if line in ("/exit", "/quit", "/bye"):
+                return
+            if line == "/reset":
+                session.reset()
+                click.echo(click.style("conversation cleared", dim=True), err=True)
+            elif line == "/stats":
+                s = session.last_stats
+                click.echo(_stats_line(s, session.last_finish) if s is not None else "no answer yet")
+            elif line.startswith("/system"):
+                session.system = line[len("/system"):].strip() or None
+                click.echo(click.style(f"system prompt {'set' if session.system else 'cleared'}", dim=True), err=True)
+            elif line.startswith("/"):
+                click.echo(f"unknown command {line.split()[0]}\n{CHAT_HELP}", err=True)
+            else:
+                try:
+                    _answer(session, line, o["quiet"])
+                except EdgespecError as e:  # one bad turn (too long, template error) keeps the session
+                    click.echo(click.style(f"error: {e}", fg="red"), err=True)
+
+
+def _answer(session: Any, text: str, quiet: bool) -> None:
+    """Stream one answer; Ctrl-C cancels it after the current cycle and keeps the session."""
+    engine = session.engine
+    previous = signal.signal(signal.SIGINT, lambda *_: engine.cancel())
+    try:
+        last = _print_stream(session.send(text))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    for notice in session.notices:
+        click.echo(click.style(f"note: {notice}", fg="yellow"), err=True)
+    session.notices.clear()
+    if not quiet and last is not None and last.stats is not None:
+        click.echo(click.style(_stats_line(last.stats, last.finish_reason), dim=True), err=True)
+
+
+@cli.command()
+@_engine_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; anything but loopback needs --api-key.")
+@click.option("--port", type=int, default=8012, show_default=True)
+@click.option("--api-key", default=None, envvar="EDGESPEC_API_KEY", help="Require 'Authorization: Bearer KEY' (env EDGESPEC_API_KEY).")
+@click.option("--cors-origin", "cors_origins", multiple=True, help="Allow browser requests from this origin (repeatable); none by default.")
+@click.option("--max-body-bytes", type=int, default=4 << 20, show_default=True)
+@click.option("--infill-cancel-older", is_flag=True, help="A newer /infill request cancels older ones still running.")
+@click.option("--no-prefix-reuse", is_flag=True, hidden=True, help="Evaluate every prompt from scratch (benchmarks).")
+@_errors
+def serve(host: str, port: int, api_key: str | None, cors_origins: tuple[str, ...], max_body_bytes: int,
+          infill_cancel_older: bool, no_prefix_reuse: bool, **o: Any) -> None:
+    """Serve OpenAI-compatible and llama.cpp-style (/infill, /completion) endpoints."""
+    try:
+        import uvicorn
+
+        from edgespec.server import Settings, create_app, is_loopback
+    except ImportError as e:
+        raise click.ClickException(f"the server needs its extra ({e.name} is missing): pip install 'edgespec[server]'")
+    if not is_loopback(host) and not api_key:
+        raise click.ClickException(f"refusing to listen on {host} without an API key: anyone who can reach it "
+                                   f"could use it; pass --api-key KEY, or keep the default --host 127.0.0.1")
+    settings = Settings(host=host, port=port, api_key=api_key, cors_origins=cors_origins,
+                        max_body_bytes=max_body_bytes, infill_cancel_older=infill_cancel_older,
+                        model_name=Path(o["model"]).name)
+    if not o["quiet"]:
+        click.echo(click.style(f"edgespec serving {o['model']} on http://{host}:{port} (GET /health is 503 until "
+                               f"the model is loaded)", dim=True), err=True)
+    def load() -> Any:
+        engine = _open_engine({**o, "quiet": True})
+        engine.reuse_prefix = not no_prefix_reuse
+        return engine
+
+    app = create_app(settings, load)
+    uvicorn.run(app, host=host, port=port, log_level="warning" if o["quiet"] else "info")
 
 
 @cli.command("plan")
@@ -178,20 +342,27 @@ def models() -> None:
 @click.option("--json", "as_json", is_flag=True)
 def models_list(as_json: bool) -> None:
     """The catalog, with what is cached and the known target/draft pairs."""
+    from edgespec.models.hub import hub_cached_ggufs
+
     rows = []
     for name, m in MODELS.items():
         path = cached_path(m)
         rows.append({"name": name, "size": m.size, "cached": str(path) if path else None,
                      "drafts": list(PAIRS.get(name, ())), "description": m.description,
                      "hub": f"{m.hub.repo}/{m.hub.filename}"})
+    pulled = [{"repo": repo, "file": f, "size": size, "path": str(path)} for repo, f, size, path in hub_cached_ggufs()]
     if as_json:
-        click.echo(json.dumps({"cache_dir": str(cache_dir()), "models": rows}, indent=2))
+        click.echo(json.dumps({"cache_dir": str(cache_dir()), "models": rows, "pulled": pulled}, indent=2))
         return
     click.echo(f"cache: {cache_dir()}")
     click.echo(f"{'NAME':<22}{'SIZE':>10}  {'CACHED':<7} {'DRAFTS':<22} DESCRIPTION")
     for r in rows:
         click.echo(f"{r['name']:<22}{r['size'] / 2**20:>8.0f}Mi  {'yes' if r['cached'] else 'no':<7} "
                    f"{','.join(r['drafts']) or '-':<22} {r['description']}")
+    if pulled:
+        click.echo("pulled from the Hugging Face Hub (use the path as --model):")
+        for p in pulled:
+            click.echo(f"  {p['repo']}/{p['file']}  {p['size'] / 2**20:.0f}Mi  {p['path']}")
 
 
 @models.command("fetch")
@@ -209,10 +380,58 @@ def models_fetch(names: tuple[str, ...], source: str | None) -> None:
 @click.argument("names", nargs=-1, required=True)
 @_errors
 def models_rm(names: tuple[str, ...]) -> None:
-    """Delete cached catalog models."""
+    """Delete cached catalog models (Hub downloads: `huggingface-cli delete-cache`)."""
     for name in names:
         path = remove_model(name)
         click.echo(f"{name}: removed {path}" if path else f"{name}: not cached")
+
+
+@models.command("pull")
+@click.argument("repo")
+@click.argument("filename", required=False)
+@_errors
+def models_pull(repo: str, filename: str | None) -> None:
+    """Download a GGUF from a Hugging Face repo (resumable; honours HF_HOME and HF_HUB_OFFLINE).
+
+    Without FILE the repo's Q4_K_M GGUF is taken, or its only GGUF.
+    """
+    from edgespec.models.hub import pull
+
+    click.echo(pull(repo, filename))
+
+
+@models.command("pair")
+@click.argument("target")
+@_errors
+def models_pair(target: str) -> None:
+    """Drafts for TARGET: cached models that pass the vocabulary check, and catalog pairs."""
+    from edgespec.models.hub import draft_candidates
+
+    rows = draft_candidates(target)
+    if not rows:
+        click.echo(f"no compatible draft found for {target}; the n-gram proposer needs none (--proposer ngram)")
+    for name, path, verdict in rows:
+        click.echo(f"{name:<40} {verdict:<28} {path or ''}")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True)
+@_errors
+def info(as_json: bool) -> None:
+    """This machine, the llama.cpp build, cached models and the memory plan for the default pair."""
+    from edgespec.info import machine_info
+
+    data = machine_info()
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    for key, value in data.items():
+        if isinstance(value, list):
+            click.echo(f"{key}:")
+            for v in value:
+                click.echo(f"  {v}")
+        else:
+            click.echo(f"{key}: {value}")
 
 
 def main() -> None:

@@ -204,10 +204,11 @@ class Engine:
             self.target.close()
             raise
         self._lock = threading.Lock()  # one generation at a time per engine
-        self._cancel = threading.Event()
+        self._running: threading.Event | None = None  # the cancel event of the generation under way
+        self.reuse_prefix = True  # keep the KV prefix shared with the previous prompt (off only to measure it)
 
     def _auto(self, drafter: DraftProposer | None, k_max: int) -> AutoProposer:
-        """Calibrate this machine's costs; drop a draft that cannot pay even if always right."""
+        """Calibrate this machine's costs; unload a draft that cannot pay even at DRAFT_ACCEPT_CEILING."""
         try:
             self.costs = calibrate(self.target, drafter.model if drafter else None, k_max)
         except BaseException:
@@ -262,46 +263,62 @@ class Engine:
     # -- generation ------------------------------------------------------------
 
     def cancel(self) -> None:
-        """Stop the running generation after its current step (thread-safe)."""
-        self._cancel.set()
+        """Stop the running generation after its current cycle (thread-safe)."""
+        if (running := self._running) is not None:
+            running.set()
 
     def generate(self, prompt: str | Sequence[int], config: GenerationConfig | None = None,
-                 stop: Sequence[str] = ()) -> Completion:
+                 stop: Sequence[str] = (), cancel: threading.Event | None = None) -> Completion:
         text, tokens = [], []
         last = None
-        for last in self.stream(prompt, config, stop=stop):
+        for last in self.stream(prompt, config, stop=stop, cancel=cancel):
             text.append(last.text)
             tokens.extend(last.tokens)
         assert last is not None and last.finish_reason is not None and last.stats is not None
         return Completion("".join(text), tokens, last.finish_reason, last.stats)
 
     def stream(self, prompt: str | Sequence[int], config: GenerationConfig | None = None,
-               stop: Sequence[str] = ()) -> Iterator[Chunk]:
-        """Yield text as tokens are committed; the last chunk has finish_reason and stats."""
+               stop: Sequence[str] = (), cancel: threading.Event | None = None) -> Iterator[Chunk]:
+        """Yield text as tokens are committed; the last chunk has finish_reason and stats.
+
+        Generations run one at a time; setting `cancel` (or calling `Engine.cancel()`
+        for the one under way) ends this one after its current cycle.
+        """
         config = config or GenerationConfig()
         prompt_tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self._check_fits(prompt_tokens, config.max_tokens)
+        self.check_fits(prompt_tokens, config.max_tokens)
+        cancel = cancel or threading.Event()
         with self._lock:
-            self._cancel.clear()
-            stats = Stats(prompt_tokens=len(prompt_tokens))
-            text = TextStream(stop)
-            finish: FinishReason = "length"
-            for tokens, from_draft, done in self._steps(prompt_tokens, config, stats):
-                delta = []
-                for i, t in enumerate(tokens):
-                    delta.append(text.push(self.target.token_bytes(t)))
-                    if text.stopped:  # nothing after a stop string is emitted, even within one block
-                        tokens, from_draft, done = tokens[: i + 1], from_draft[: i + 1], "stop"
-                        break
-                if done is not None:
-                    finish = done
-                    delta.append(text.flush())
-                    yield Chunk("".join(delta), tokens, from_draft)
-                    break
-                yield Chunk("".join(delta), tokens, from_draft)
-            yield Chunk("", [], [], finish, stats)
+            self._running = cancel
+            try:
+                yield from self._stream(prompt_tokens, config, stop, cancel)
+            finally:
+                self._running = None
 
-    def _steps(self, prompt: list[int], config: GenerationConfig, stats: Stats
+    def _stream(self, prompt_tokens: list[int], config: GenerationConfig, stop: Sequence[str],
+                cancel: threading.Event) -> Iterator[Chunk]:
+        stats = Stats(prompt_tokens=len(prompt_tokens))
+        if cancel.is_set():  # cancelled while it waited for the engine
+            yield Chunk("", [], [], "cancelled", stats)
+            return
+        text = TextStream(stop)
+        finish: FinishReason = "length"
+        for tokens, from_draft, done in self._steps(prompt_tokens, config, stats, cancel):
+            delta = []
+            for i, t in enumerate(tokens):
+                delta.append(text.push(self.target.token_bytes(t)))
+                if text.stopped:  # nothing after a stop string is emitted, even within one block
+                    tokens, from_draft, done = tokens[: i + 1], from_draft[: i + 1], "stop"
+                    break
+            if done is not None:
+                finish = done
+                delta.append(text.flush())
+                yield Chunk("".join(delta), tokens, from_draft)
+                break
+            yield Chunk("".join(delta), tokens, from_draft)
+        yield Chunk("", [], [], finish, stats)
+
+    def _steps(self, prompt: list[int], config: GenerationConfig, stats: Stats, cancel: threading.Event
                ) -> Iterator[tuple[list[int], list[bool], FinishReason | None]]:
         """Committed tokens, one cycle at a time, with the finish reason on the last cycle.
 
@@ -346,7 +363,7 @@ class Engine:
                 if stats.completion_tokens >= config.max_tokens:
                     yield new, from_draft, "length"
                     return
-                if self._cancel.is_set():
+                if cancel.is_set():
                     yield new, from_draft, "cancelled"
                     return
                 yield new, from_draft, None
@@ -388,7 +405,7 @@ class Engine:
         """Evaluate the prompt, reusing the cached prefix; returns the last logits row."""
         m = self.target
         common = 0
-        for a, b in zip(m.tokens, prompt):
+        for a, b in zip(m.tokens, prompt if self.reuse_prefix else ()):
             if a != b:
                 break
             common += 1
@@ -397,7 +414,8 @@ class Engine:
         stats.cached_prompt_tokens = common
         return m.decode(prompt[common:], n_outputs=1)
 
-    def _check_fits(self, prompt: list[int], max_tokens: int) -> None:
+    def check_fits(self, prompt: Sequence[int], max_tokens: int) -> None:
+        """Raise ContextOverflowError, with the numbers, unless prompt and answer fit the context."""
         n_ctx = self.target.n_ctx
         if not prompt:
             raise InvalidRequestError("the prompt is empty; give at least one token of prompt")

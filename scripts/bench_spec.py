@@ -59,7 +59,7 @@ def main() -> None:
     modes = parse_modes(args.modes)
     load = LoadConfig(n_ctx=4096, n_threads=args.threads)
     names = {name for name, _ in modes}
-    engines = {"none": Engine(args.model, load=load)}
+    engines = {"none": Engine(args.model, proposer="none", load=load)}
     if "ngram" in names:
         engines["ngram"] = Engine(args.model, proposer="ngram", load=load)
     if "draft" in names:

@@ -1,0 +1,65 @@
+"""What `edgespec info` reports: the machine, the llama.cpp build, cached models, the memory plan."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+from typing import Any
+
+
+def machine_info() -> dict[str, Any]:
+    import psutil
+
+    from edgespec import backend
+    from edgespec.budget import K_MAX_CAP, GiB, detect_budget, plan
+    from edgespec.engine import memory_of
+    from edgespec.errors import EdgespecError
+    from edgespec.models import DEFAULT_MODEL, MODELS, PAIRS, cache_dir, cached_path
+
+    vm = psutil.virtual_memory()
+    features = backend.system_info()
+    data: dict[str, Any] = {
+        "machine": f"{platform.system()} {platform.machine()}, {psutil.cpu_count(logical=False)} cores "
+                   f"({psutil.cpu_count()} threads)",
+        "memory": f"{vm.total / GiB:.1f} GiB total, {vm.available / GiB:.1f} GiB available",
+        "llama.cpp backends": ", ".join(_backends(features)) + (" (GPU offload)" if backend.supports_gpu_offload() else ""),
+        "llama.cpp features": features.strip(),
+        "versions": [f"edgespec {_version('edgespec')}", f"llama-cpp-python {backend.library_version()}",
+                     f"numpy {_version('numpy')}", f"huggingface-hub {_version('huggingface-hub')}",
+                     f"python {sys.version.split()[0]}"],
+        "model cache": str(cache_dir()),
+        "cached models": [f"{n} ({p})" for n, m in MODELS.items() if (p := cached_path(m)) is not None] or ["none"],
+    }
+    target, draft = MODELS[DEFAULT_MODEL], MODELS[PAIRS[DEFAULT_MODEL][0]]
+    tp, dp = cached_path(target), cached_path(draft)
+    if tp is None:
+        data["memory plan"] = f"fetch {DEFAULT_MODEL} to see its plan (edgespec models fetch {DEFAULT_MODEL})"
+        return data
+    try:
+        budget = detect_budget(backend.supports_gpu_offload())
+        p = plan(memory_of(backend.read_facts(tp)), memory_of(backend.read_facts(dp)) if dp else None, budget,
+                 k_max=K_MAX_CAP)
+        data["memory plan"] = [f"{DEFAULT_MODEL}" + (f" + {draft.name}" if dp else "") +
+                               f" on {budget.device}: context {p.n_ctx}, Kmax {p.k_max}, draft "
+                               f"{'loaded' if p.load_draft else 'not loaded'}, {p.total_bytes / GiB:.2f} GiB of "
+                               f"{(budget.gpu_bytes or budget.ram_bytes) / GiB:.2f} GiB", *p.notes]
+    except EdgespecError as e:
+        data["memory plan"] = str(e)
+    return data
+
+
+def _backends(features: str) -> list[str]:
+    names = ["CPU"]
+    for key, name in (("CUDA", "CUDA"), ("METAL", "Metal"), ("VULKAN", "Vulkan"), ("HIP", "ROCm"),
+                      ("SYCL", "SYCL"), ("OPENCL", "OpenCL"), ("BLAS", "BLAS")):
+        if key in features.upper():
+            names.append(name)
+    return names
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,102 @@
+"""Models from the Hugging Face Hub beyond the catalog, and finding drafts for a target."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from edgespec.errors import EdgespecError, FetchError
+from edgespec.models.catalog import MODELS, PAIRS
+from edgespec.models.store import _hub_reachable, cached_path, resolve
+
+log = logging.getLogger(__name__)
+PREFERRED_QUANT = "q4_k_m"
+
+
+def pull(repo: str, filename: str | None = None) -> Path:
+    """Download (or find in the HF cache) one GGUF of `repo`; returns its local path."""
+    from huggingface_hub import hf_hub_download, list_repo_files
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    online = _hub_reachable()
+    try:
+        if filename is None:
+            if not online:
+                raise FetchError(f"the Hub is unreachable (offline or HF_HUB_OFFLINE=1), so the files of {repo} cannot "
+                                 f"be listed; name the file: `edgespec models pull {repo} FILE.gguf`")
+            ggufs = [f for f in list_repo_files(repo) if f.endswith(".gguf")]
+            filename = _pick(repo, ggufs)
+        return Path(hf_hub_download(repo, filename, local_files_only=not online))
+    except LocalEntryNotFoundError as e:
+        raise FetchError(
+            f"{repo}/{filename} is not in the Hugging Face cache ({_hf_home()}) and the Hub cannot be reached "
+            f"(offline or HF_HUB_OFFLINE=1); connect and pull again, or pass a local .gguf path"
+        ) from e
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise FetchError(f"could not pull {repo}/{filename or ''}: {e}; check the repo and file names") from e
+
+
+def _pick(repo: str, ggufs: list[str]) -> str:
+    if len(ggufs) == 1:
+        return ggufs[0]
+    preferred = [f for f in ggufs if PREFERRED_QUANT in f.lower()]
+    if len(preferred) == 1:
+        return preferred[0]
+    if not ggufs:
+        raise FetchError(f"{repo} has no .gguf file; pick a GGUF repository (often named ...-GGUF)")
+    raise FetchError(f"{repo} has {len(ggufs)} GGUF files; name one: {', '.join(sorted(ggufs)[:8])}")
+
+
+def _hf_home() -> str:
+    from huggingface_hub import constants
+
+    return str(constants.HF_HUB_CACHE)
+
+
+def hub_cached_ggufs() -> list[tuple[str, str, int, Path]]:
+    """(repo, file, size, path) of every GGUF in the Hugging Face cache."""
+    from huggingface_hub import scan_cache_dir
+
+    try:
+        info = scan_cache_dir()
+    except Exception:  # no cache directory yet, or an unreadable one: nothing pulled
+        return []
+    out = []
+    for repo in info.repos:
+        for rev in repo.revisions:
+            for f in rev.files:
+                if f.file_name.endswith(".gguf"):
+                    out.append((repo.repo_id, f.file_name, f.size_on_disk, f.file_path))
+    return out
+
+
+def draft_candidates(target: str) -> list[tuple[str, str | None, str]]:
+    """(name, path, verdict) for every cached GGUF that passes the vocabulary check against `target`,
+    and catalog pairs not yet cached."""
+    from edgespec.backend import Model
+    from edgespec.config import LoadConfig
+    from edgespec.proposers.draft import check_compatible
+
+    target_path = resolve(target)
+    candidates: list[tuple[str, Path]] = []
+    for name, entry in MODELS.items():
+        if (p := cached_path(entry)) is not None:
+            candidates.append((name, p))
+    candidates += [(f"{repo}/{file}", path) for repo, file, _, path in hub_cached_ggufs()]
+    facts_load = LoadConfig(n_ctx=256, n_threads=1, n_gpu_layers=0)
+    rows: list[tuple[str, str | None, str]] = []
+    with Model(target_path, facts_load, facts_only=True) as t:
+        for name, path in candidates:
+            if path.resolve() == target_path.resolve():
+                continue
+            with Model(path, facts_load, facts_only=True) as d:
+                try:
+                    check_compatible(t, d)
+                except EdgespecError:
+                    continue
+                ratio = d.facts.weights_bytes / t.facts.weights_bytes
+                rows.append((name, str(path), f"compatible, {ratio:.2f}x target size"))
+    for name in PAIRS.get(target, ()):
+        if not any(r[0] == name for r in rows):
+            rows.append((name, None, "catalog pair, not cached (fetch it)"))
+    return rows

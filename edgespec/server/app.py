@@ -1,0 +1,403 @@
+"""The HTTP sidecar: OpenAI-compatible and llama.cpp-style endpoints over one speculative engine.
+
+One engine serves every request, one generation at a time, in a worker thread;
+requests wait in arrival order. A client that goes away has its generation
+cancelled within one cycle. Safety first, since it listens on the user's
+machine: loopback by default, Host-header check against DNS rebinding, API key,
+no CORS unless origins are listed, bounded bodies and fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import json
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from edgespec import errors
+from edgespec.fim import infill_tokens
+from edgespec.server import schemas
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
+DISCONNECT_POLL_SECONDS = 0.1
+
+
+@dataclass
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8012
+    api_key: str | None = None
+    cors_origins: tuple[str, ...] = ()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    infill_cancel_older: bool = False  # a newer /infill cancels older ones (editors retype constantly)
+    model_name: str = "edgespec"
+
+
+def is_loopback(host: str) -> bool:
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
+class _State:
+    engine: Any = None
+    load_error: str | None = None
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="engine"))
+    infills: set[threading.Event] = field(default_factory=set)
+    finished: dict[str, int] = field(default_factory=dict)  # generations by finish reason, for /health
+
+
+def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
+    """The ASGI app; `load_engine` runs in a thread at startup, /health says 503 until it is done."""
+    state = _State()
+
+    def load() -> None:
+        try:
+            state.engine = load_engine()
+        except Exception as e:  # reported by /health and every endpoint, instead of a dead process
+            log.exception("loading the model failed")
+            state.load_error = str(e)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        threading.Thread(target=load, name="load", daemon=True).start()
+        yield
+        state.executor.shutdown(wait=False, cancel_futures=True)
+        if state.engine is not None:
+            state.engine.close()
+
+    # -- helpers -------------------------------------------------------------------
+
+    def engine() -> Any:
+        if state.engine is None:
+            raise _Unavailable(state.load_error or "the model is still loading; retry when GET /health says ok")
+        return state.engine
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        data = bytearray()
+        async for piece in request.stream():
+            data += piece
+            if len(data) > settings.max_body_bytes:
+                raise _TooLarge(f"request body over {settings.max_body_bytes} bytes; send less context")
+        try:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise errors.InvalidRequestError(f"malformed JSON body ({e})") from e
+        if not isinstance(body, dict):
+            raise errors.InvalidRequestError("the JSON body must be an object")
+        return body
+
+    async def run(request: Request, prompt: list[int], req: schemas.Request, cancel: threading.Event
+                  ) -> tuple[str, list[Any]]:
+        """Generate without streaming, cancelling if the client disconnects meanwhile."""
+        eng = engine()
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(state.executor, lambda: list(eng.stream(prompt, req.config, req.stop, cancel)))
+        while not job.done():
+            if await request.is_disconnected():
+                cancel.set()
+            await asyncio.wait([job], timeout=DISCONNECT_POLL_SECONDS)
+        chunks = job.result()
+        count(chunks[-1].finish_reason)
+        return "".join(c.text for c in chunks), chunks
+
+    def count(reason: str | None) -> None:
+        state.finished[reason or "error"] = state.finished.get(reason or "error", 0) + 1
+
+    def stream_chunks(prompt: list[int], req: schemas.Request, cancel: threading.Event) -> AsyncIterator[Any]:
+        """Chunks from the worker thread as they come; closing the iterator (a disconnect) cancels."""
+        eng = engine()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        done = object()
+
+        def work() -> None:
+            try:
+                for chunk in eng.stream(prompt, req.config, req.stop, cancel):
+                    loop.call_soon_threadsafe(queue.put_nowait, chunk)
+                    if chunk.finish_reason is not None:
+                        loop.call_soon_threadsafe(count, chunk.finish_reason)
+            except Exception as e:
+                loop.call_soon_threadsafe(queue.put_nowait, e)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, done)
+
+        state.executor.submit(work)
+
+        async def gen() -> AsyncIterator[Any]:
+            try:
+                while (item := await queue.get()) is not done:
+                    if isinstance(item, Exception):
+                        raise item
+                    yield item
+            finally:
+                cancel.set()  # normal end: harmless; disconnect: stops the generation within a cycle
+
+        return gen()
+
+    def check_fits(prompt: list[int], req: schemas.Request) -> None:
+        engine().check_fits(prompt, req.config.max_tokens)  # before a stream starts: a 400, not a broken stream
+
+    # -- endpoints -----------------------------------------------------------------
+
+    async def health(request: Request) -> Response:
+        if state.load_error:
+            return JSONResponse({"status": "error", "error": state.load_error}, status_code=500)
+        if state.engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok", "model": settings.model_name, "generations": dict(state.finished)})
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "edgespec"}]})
+
+    async def completions(request: Request) -> Response:
+        body = await body_of(request)
+        eng = engine()
+        req = schemas.generation(body, eng.target.n_ctx, 16, 1.0)
+        return await openai_response(request, _prompt(body, eng), req, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        body = await body_of(request)
+        eng = engine()
+        prompt = eng.chat_tokens(schemas.messages(body))
+        req = schemas.generation(body, eng.target.n_ctx, min(1024, max(1, eng.target.n_ctx - len(prompt))), 1.0)
+        return await openai_response(request, prompt, req, chat=True)
+
+    async def openai_response(request: Request, prompt: list[int], req: schemas.Request, chat: bool) -> Response:
+        check_fits(prompt, req)
+        cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        cancel = threading.Event()
+        if not req.stream:
+            text, chunks = await run(request, prompt, req, cancel)
+            last = chunks[-1]
+            choice: dict[str, Any] = {"index": 0, "finish_reason": _openai_finish(last.finish_reason)}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice |= {"text": text, "logprobs": None}
+            return JSONResponse({"id": cid, "object": obj, "created": created, "model": settings.model_name,
+                                 "choices": [choice], "usage": _usage(last.stats),
+                                 "speculative": _spec(last.stats)})
+        chunks = stream_chunks(prompt, req, cancel)
+
+        async def sse() -> AsyncIterator[str]:
+            first = True
+            async for c in chunks:
+                if c.finish_reason is None and not c.text:
+                    continue
+                finish = _openai_finish(c.finish_reason) if c.finish_reason else None
+                if chat:
+                    delta: dict[str, Any] = {"content": c.text} if c.text or not finish else {}
+                    if first:
+                        delta["role"] = "assistant"
+                    choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                else:
+                    choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": finish}
+                event: dict[str, Any] = {"id": cid, "object": f"{obj}.chunk" if chat else obj, "created": created,
+                                         "model": settings.model_name, "choices": [choice]}
+                if c.stats is not None:
+                    event |= {"usage": _usage(c.stats), "speculative": _spec(c.stats)}
+                first = False
+                yield f"data: {json.dumps(event)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def completion(request: Request) -> Response:
+        """llama.cpp's native /completion, as Continue and others call it."""
+        body = await body_of(request)
+        eng = engine()
+        req = schemas.generation(body, eng.target.n_ctx, 128, 0.8)
+        return await llama_response(request, _prompt(body, eng), req)
+
+    async def infill(request: Request) -> Response:
+        """llama.cpp's /infill: prefix, suffix and extra files around the cursor, as llama.vim sends them."""
+        body = await body_of(request)
+        eng = engine()
+        req = schemas.generation(body, eng.target.n_ctx, 128, 0.8)
+        tok = eng.target
+        prompt = infill_tokens(
+            tok.vocab, lambda text: tok.tokenize(text, add_special=False, parse_special=False),
+            schemas.text_field(body, "input_prefix", "") or "", schemas.text_field(body, "input_suffix", "") or "",
+            schemas.text_field(body, "prompt", "") or "", schemas.extra_chunks(body),
+            budget=tok.n_ctx - req.config.max_tokens,
+        )
+        return await llama_response(request, prompt, req, infill=True)
+
+    async def llama_response(request: Request, prompt: list[int], req: schemas.Request,
+                             infill: bool = False) -> Response:
+        check_fits(prompt, req)
+        cancel = threading.Event()
+        if infill and settings.infill_cancel_older:
+            for older in list(state.infills):
+                older.set()
+        if infill:
+            state.infills.add(cancel)
+        try:
+            if not req.stream:
+                text, chunks = await run(request, prompt, req, cancel)
+                return JSONResponse(_llama_final(text, chunks[-1], settings.model_name, req))
+        finally:
+            if not req.stream:
+                state.infills.discard(cancel)
+        chunks = stream_chunks(prompt, req, cancel)
+
+        async def sse() -> AsyncIterator[str]:
+            try:
+                async for c in chunks:
+                    if c.stats is not None:
+                        yield f"data: {json.dumps(_llama_final(c.text, c, settings.model_name, req))}\n\n"
+                    elif c.text:
+                        yield f"data: {json.dumps({'content': c.text, 'stop': False})}\n\n"
+            finally:
+                state.infills.discard(cancel)
+
+        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/completions", _guard(completions), methods=["POST"]),
+        Route("/v1/chat/completions", _guard(chat_completions), methods=["POST"]),
+        Route("/completion", _guard(completion), methods=["POST"]),
+        Route("/infill", _guard(infill), methods=["POST"]),
+    ]
+    middleware = [Middleware(_Safety, settings=settings)]
+    if settings.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                                     allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
+    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+
+
+# -- errors ---------------------------------------------------------------------------
+
+
+class _Unavailable(errors.EdgespecError):
+    pass
+
+
+class _TooLarge(errors.EdgespecError):
+    pass
+
+
+_STATUS = [(_Unavailable, 503), (_TooLarge, 413), (errors.InvalidRequestError, 400), (errors.ContextOverflowError, 400),
+           (errors.ChatTemplateError, 400), (errors.UnsupportedModelError, 400), (errors.EdgespecError, 500)]
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def _guard(endpoint: Callable[[Request], Any]) -> Callable[[Request], Any]:
+    """Domain errors to HTTP codes by type; the server keeps serving whatever a request sends."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except errors.EdgespecError as e:
+            status = next(code for cls, code in _STATUS if isinstance(e, cls))
+            return _error(status, str(e), "invalid_request_error" if status < 500 else "server_error")
+
+    return wrapped
+
+
+def _prompt(body: dict[str, Any], eng: Any) -> list[int]:
+    """'prompt' as text, or as token ids (both APIs accept either)."""
+    value = body.get("prompt")
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        bad = [t for t in value if not 0 <= t < eng.target.n_vocab]
+        if bad:
+            raise errors.InvalidRequestError(f"token ids must be in 0..{eng.target.n_vocab - 1}, got {bad[:4]}")
+        return value
+    return eng.tokenize(schemas.text_field(body, "prompt", required=True) or "")
+
+
+def _openai_finish(reason: str | None) -> str:
+    return {"stop": "stop", "length": "length"}.get(reason or "", "stop")
+
+
+def _usage(s: Any) -> dict[str, int]:
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
+            "total_tokens": s.prompt_tokens + s.completion_tokens}
+
+
+def _spec(s: Any) -> dict[str, Any]:
+    return {"drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": round(s.acceptance_rate, 4),
+            "cycles": s.cycles, "tokens_per_second": round(s.tokens_per_second, 2),
+            "cached_prompt_tokens": s.cached_prompt_tokens}
+
+
+def _llama_final(text: str, last: Any, model: str, req: schemas.Request) -> dict[str, Any]:
+    s = last.stats
+    decoded = max(s.completion_tokens - 1, 0)
+    return {
+        "content": text, "stop": True, "model": model, "tokens_predicted": s.completion_tokens,
+        "tokens_evaluated": s.prompt_tokens, "tokens_cached": s.cached_prompt_tokens,
+        "stopped_eos": last.finish_reason == "stop", "stopped_limit": last.finish_reason == "length",
+        "stopped_word": False, "truncated": False, "cancelled": last.finish_reason == "cancelled",
+        "timings": {
+            "prompt_n": s.prompt_tokens - s.cached_prompt_tokens, "prompt_ms": s.prefill_seconds * 1000,
+            "prompt_per_second": (s.prompt_tokens - s.cached_prompt_tokens) / s.prefill_seconds if s.prefill_seconds else 0,
+            "predicted_n": s.completion_tokens, "predicted_ms": s.decode_seconds * 1000,
+            "predicted_per_second": decoded / s.decode_seconds if s.decode_seconds else 0,
+            "draft_n": s.drafted, "draft_n_accepted": s.accepted,
+        },
+        "speculative": _spec(s),
+    }
+
+
+class _Safety:
+    """Host check (DNS rebinding), API key and body size, before any endpoint runs."""
+
+    def __init__(self, app: Any, settings: Settings) -> None:
+        self.app, self.settings = app, settings
+        self.loopback = is_loopback(settings.host)
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.loopback:
+            host = headers.get("host", "")
+            name = host.rsplit(":", 1)[0] if not host.startswith("[") else host[1:].split("]")[0]
+            if not is_loopback(name):
+                return await _error(403, f"Host header {host!r} is not a loopback name; a server bound to "
+                                         f"{self.settings.host} only answers requests for localhost "
+                                         f"(protection against DNS rebinding)", "forbidden")(scope, receive, send)
+        key = self.settings.api_key
+        if key and scope["path"] != "/health" and scope.get("method") != "OPTIONS":
+            given = headers.get("authorization", "").removeprefix("Bearer ").strip() or headers.get("x-api-key", "")
+            if not hmac.compare_digest(given.encode(), key.encode()):
+                return await _error(401, "missing or wrong API key; send 'Authorization: Bearer KEY'",
+                                    "authentication_error")(scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.settings.max_body_bytes):
+            return await _error(413, f"request body of {length} bytes is over the limit of "
+                                     f"{self.settings.max_body_bytes}; send less context",
+                                "invalid_request_error")(scope, receive, send)
+        await self.app(scope, receive, send)

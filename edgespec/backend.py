@@ -224,6 +224,17 @@ class Model:
             raise EdgespecError(f"KV cache of {self.path.name} ends at {pos} after trimming to {n_keep}")
         return dropped
 
+    def keep_prefix_of(self, tokens: Sequence[int]) -> int:
+        """Trim the cache to its longest prefix shared with `tokens`, short of their last token
+        (which must be decoded again for its logits); returns how many cached tokens were kept."""
+        n = 0
+        for a, b in zip(self.tokens, tokens[:-1]):
+            if a != b:
+                break
+            n += 1
+        self.trim(n)
+        return n
+
     def pos_max(self) -> int:
         """The last position llama.cpp holds for the sequence (-1 when empty)."""
         return int(llama_cpp.llama_memory_seq_pos_max(self._mem, _SEQ))

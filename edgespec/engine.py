@@ -404,13 +404,7 @@ class Engine:
     def _prefill(self, prompt: list[int], stats: Stats) -> np.ndarray:
         """Evaluate the prompt, reusing the cached prefix; returns the last logits row."""
         m = self.target
-        common = 0
-        for a, b in zip(m.tokens, prompt if self.reuse_prefix else ()):
-            if a != b:
-                break
-            common += 1
-        common = min(common, len(prompt) - 1)  # re-evaluate at least one token for its logits
-        m.trim(common)
+        common = m.keep_prefix_of(prompt if self.reuse_prefix else ())  # () keeps nothing
         stats.cached_prompt_tokens = common
         return m.decode(prompt[common:], n_outputs=1)
 

@@ -41,7 +41,7 @@ def editing_steps(n: int, words_per_step: int = 3) -> list[tuple[str, str]]:
     steps = []
     for i in range(1, len(pieces), words_per_step):
         typed = " ".join(pieces[:i])
-        steps.append((head[-6000:] + typed, tail[:2000]))
+        steps.append((head[-1500:] + typed, tail[:500]))
         if len(steps) == n:
             break
     return steps

@@ -65,12 +65,7 @@ class DraftProposer:
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         m = self.model
-        common = 0
-        for a, b in zip(m.tokens, context):
-            if a != b:
-                break
-            common += 1
-        m.trim(min(common, len(context) - 1))  # re-decode at least one token for its logits
+        m.keep_prefix_of(context)
         self._base = len(context)
         if k <= 0:
             return Proposal()

@@ -103,9 +103,6 @@ class AcceptanceTracker:
     def update(self, key: int, accepted: bool) -> None:
         self._est[key] = self.decay * self.get(key) + (1.0 - self.decay) * float(accepted)
 
-    def snapshot(self) -> dict[int, float]:
-        return dict(sorted(self._est.items()))
-
 
 # -- calibration ------------------------------------------------------------------
 

@@ -1,6 +1,5 @@
 """The llama.cpp backend on real GGUF files: facts, tokens, logits rows, KV trimming, bad files."""
 
-import shutil
 
 import numpy as np
 import pytest

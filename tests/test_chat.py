@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pexpect
-import pytest
 from click.testing import CliRunner
 
 from edgespec import backend

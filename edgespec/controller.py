@@ -18,20 +18,23 @@ import platform
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 log = logging.getLogger(__name__)
 
 # Batch sizes calibrated; the chooser only considers these, since the curve is
-# not monotonic (llama.cpp switches kernels with the batch size).
-CALIBRATION_BATCHES = (1, 2, 3, 4, 8, 16)
+# not monotonic (llama.cpp switches kernels with the batch size). Powers of two
+# are where the CPU kernels are cheapest per token (FACTS.md: t(12) > t(16)).
+CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32)
 ACCEPT_DECAY = 0.9  # weight of the past per observation: follows the text within ~10 cycles
 ACCEPT_PRIOR = 0.5
+PRIOR_WEIGHT = 2.0  # the prior counts as this many observations
 DRAFT_P_MIN = 0.5  # a draft token the draft itself rates below this is not worth verifying
 # Acceptance per position a same-family draft reaches on favourable text (FACTS.md: 93% on code
 # editing); a draft that cannot pay even at this rate is not worth its memory.
 DRAFT_ACCEPT_CEILING = 0.9
-CACHE_VERSION = 2
+COST_DECAY = 0.8  # weight of the past per observed pass: costs follow the context within a few passes
+CACHE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,37 @@ class Costs:
     @property
     def candidate_ks(self) -> tuple[int, ...]:
         return tuple(b - 1 for b in self.batches)
+
+
+class CostTracker:
+    """The calibrated costs, corrected by every target pass actually run.
+
+    Calibration happens once at an empty context on an idle machine; a deep
+    context or a busy machine makes passes dearer, and not by the same factor
+    for every batch size. Each observed pass moves the scale of its batch size;
+    a size not observed yet borrows the scale of the nearest smaller one that was.
+    """
+
+    def __init__(self, calibrated: Costs, decay: float = COST_DECAY) -> None:
+        self.calibrated, self.decay = calibrated, decay
+        self._scale: dict[int, float] = {}
+        self.costs = calibrated
+
+    def observe(self, batch: int, seconds: float) -> None:
+        if batch not in self.calibrated.batches:
+            return
+        ratio = seconds / self.calibrated.verify_seconds(batch)
+        old = self._scale.get(batch)
+        # One stalled pass (a page fault, another process) moves the scale at most 2x.
+        self._scale[batch] = ratio if old is None else self.decay * old + (1 - self.decay) * min(max(ratio, old / 2),
+                                                                                                 old * 2)
+        scales, last = [], 1.0
+        for b in self.calibrated.batches:
+            last = self._scale.get(b, last)
+            scales.append(last)
+        c = self.calibrated
+        self.costs = Costs(c.batches, tuple(t * s for t, s in zip(c.target_seconds, scales)),
+                           c.draft_seconds_per_token)
 
 
 def expected_tokens(accept: Sequence[float], k: int) -> float:
@@ -90,18 +124,23 @@ class AcceptanceTracker:
     """Decayed estimates of conditional acceptance, keyed by a class of proposal.
 
     For the draft the key is the draft position; for n-gram lookup it is the
-    match length, since a long match that was right before tends to be right again.
+    class of the match length, since a long match that was right before tends to
+    be right again. Each estimate is a decayed count of acceptances over a
+    decayed count of trials plus a prior worth PRIOR_WEIGHT trials, so a few
+    observations already move it and old text fades.
     """
 
-    def __init__(self, decay: float = ACCEPT_DECAY, prior: float = ACCEPT_PRIOR) -> None:
+    def __init__(self, decay: float = ACCEPT_DECAY, prior: Callable[[int], float] = lambda key: ACCEPT_PRIOR) -> None:
         self.decay, self.prior = decay, prior
-        self._est: dict[int, float] = {}
+        self._counts: dict[int, tuple[float, float]] = {}  # key -> (decayed accepted, decayed trials)
 
     def get(self, key: int) -> float:
-        return self._est.get(key, self.prior)
+        accepted, trials = self._counts.get(key, (0.0, 0.0))
+        return (accepted + self.prior(key) * PRIOR_WEIGHT) / (trials + PRIOR_WEIGHT)
 
     def update(self, key: int, accepted: bool) -> None:
-        self._est[key] = self.decay * self.get(key) + (1.0 - self.decay) * float(accepted)
+        a, n = self._counts.get(key, (0.0, 0.0))
+        self._counts[key] = (self.decay * a + accepted, self.decay * n + 1.0)
 
 
 # -- calibration ------------------------------------------------------------------

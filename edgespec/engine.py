@@ -20,7 +20,7 @@ from edgespec import budget, chat, sampling, verify
 from edgespec.backend import Model, ModelFacts, read_facts, supports_gpu_offload
 from edgespec.budget import K_MAX_CAP, ModelMemory
 from edgespec.config import DEFAULT_K, MAX_K, GenerationConfig, LoadConfig
-from edgespec.controller import DRAFT_ACCEPT_CEILING, DRAFT_P_MIN, calibrate, draft_can_pay
+from edgespec.controller import DRAFT_ACCEPT_CEILING, DRAFT_P_MIN, CostTracker, calibrate, draft_can_pay
 from edgespec.errors import ContextOverflowError, InvalidRequestError, OutOfMemoryError, UnsupportedModelError
 from edgespec.models import DEFAULT_MODEL, resolve
 from edgespec.proposers import PROPOSERS, Proposal, Proposer
@@ -177,6 +177,7 @@ class Engine:
         self.load_config = replace(load, n_ctx=self.plan.n_ctx,
                                    n_gpu_layers=self.plan.target_gpu_layers if gpu is None else gpu)
         self.k = k_max
+        self.cost_tracker: CostTracker | None = None  # auto only: calibrated costs, corrected by each pass
         self.target = Model(target_path, self.load_config)
         self.proposer: Proposer | None = None if isinstance(proposer, str) else proposer
         try:
@@ -225,7 +226,8 @@ class Engine:
             )
             drafter.close()
             drafter = None
-        return AutoProposer(NgramProposer(self.target.is_eog), drafter, c)
+        self.cost_tracker = CostTracker(c)
+        return AutoProposer(NgramProposer(self.target.is_eog), drafter, self.cost_tracker)
 
     def close(self) -> None:
         if self.proposer is not None:
@@ -388,6 +390,8 @@ class Engine:
             t_verify = time.perf_counter()
             stats.draft_seconds += t_verify - t
             rows = m.decode([committed[-1], *draft], n_outputs=len(draft) + 1)
+            if self.cost_tracker is not None:
+                self.cost_tracker.observe(len(draft) + 1, time.perf_counter() - t_verify)
             if sc.greedy:
                 n_accepted, nxt = verify.greedy(rows, draft)
             else:

@@ -1,13 +1,17 @@
 """Speculative decoding speed and acceptance, side by side with plain decoding in one run.
 
-For every prompt all modes run back to back (prompt-major order), so machine
-noise hits every mode alike; per category the script reports decode tok/s
-(tokens after the first, over decode time), its ratio to plain decoding in the
-same run, and acceptance. Greedy, as Spec-Bench is usually reported.
+For every prompt all modes run back to back (prompt-major order), `--repeats`
+times with the order reversed each time (none, auto, auto, none), so machine
+noise and drift hit every mode alike; per category the script reports decode
+tok/s (tokens after the first, over decode time, summed over prompts and
+repeats), its ratio to plain decoding in the same run, and acceptance. Greedy,
+as Spec-Bench is usually reported.
 
     python scripts/bench_spec.py --llama-cpp --plot
-        # modes none, ngram:2/4/8, draft:2/4 and auto; llama.cpp's own n-gram speculation on the
-        # code-editing set (tools built by scripts/llama_tools.py); PNG next to the JSON
+        # plain decoding and auto; llama.cpp's own n-gram speculation on the code-editing set
+        # (tools built by scripts/llama_tools.py); PNG next to the JSON
+    python scripts/bench_spec.py --modes none,ngram:2,ngram:4,ngram:8,draft:2,draft:4,auto
+        # fixed K for comparison
 """
 
 from __future__ import annotations
@@ -46,11 +50,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--modes", default="none,ngram:2,ngram:4,ngram:8,draft:2,draft:4,auto")
+    ap.add_argument("--modes", default="none,auto")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of every mode per prompt, order reversed each time")
     ap.add_argument("--llama-cpp", action="store_true", help="also run llama-speculative-simple on the code-edit set")
     ap.add_argument("--plot", action="store_true", help="write a PNG (needs matplotlib)")
-    ap.add_argument("--per-category", type=int, default=2, help="Spec-Bench questions per category")
-    ap.add_argument("--code-edits", type=int, default=6, help="prompts in the code-editing set")
+    ap.add_argument("--per-category", type=int, default=4, help="Spec-Bench questions per category")
+    ap.add_argument("--code-edits", type=int, default=8, help="prompts in the code-editing set")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=Path("bench-results/spec.json"))
@@ -75,16 +80,17 @@ def main() -> None:
     rows = []
     t_start = time.time()
     for i, (category, text) in enumerate(prompts):
-        for name, k in modes:
-            engine = engines[name]
-            if k:
-                engine.k = k
-            tokens = engine.chat_tokens([{"role": "user", "content": text}])
-            s = engine.generate(tokens, config).stats
-            rows.append({"category": category, "prompt": i, "mode": f"{name}:{k}" if k else name,
-                         "tokens": s.completion_tokens - 1, "seconds": s.decode_seconds, "drafted": s.drafted,
-                         "accepted": s.accepted, "cycles": s.cycles, "accepted_at": s.accepted_at,
-                         "drafted_at": s.drafted_at, "by_proposer": s.cycles_by_proposer})
+        for rep in range(args.repeats):
+            for name, k in modes if rep % 2 == 0 else modes[::-1]:
+                engine = engines[name]
+                if k:
+                    engine.k = k
+                tokens = engine.chat_tokens([{"role": "user", "content": text}])
+                s = engine.generate(tokens, config).stats
+                rows.append({"category": category, "prompt": i, "repeat": rep, "mode": f"{name}:{k}" if k else name,
+                             "tokens": s.completion_tokens - 1, "seconds": s.decode_seconds, "drafted": s.drafted,
+                             "accepted": s.accepted, "cycles": s.cycles, "accepted_at": s.accepted_at,
+                             "drafted_at": s.drafted_at, "by_proposer": s.cycles_by_proposer})
         if tool is not None and category == "code-edit":
             prompt_text = engines["none"].chat_text([{"role": "user", "content": text}])
             for spec, n_max in LLAMA_CPP_MODES:
@@ -139,13 +145,13 @@ def plot(rows: list[dict], modes: list[str], path: Path) -> None:
     ax1.set_title("Speedup by category (same run)")
     ax1.legend(fontsize=8)
     for m in shown:
-        drafted, accepted = [0] * 16, [0] * 16
+        drafted, accepted = defaultdict(int), defaultdict(int)
         for r in rows:
             if r["mode"] == m:
                 for i, (d, a) in enumerate(zip(r.get("drafted_at", []), r.get("accepted_at", []))):
                     drafted[i] += d
                     accepted[i] += a
-        xs = [i + 1 for i in range(16) if drafted[i] >= 5]
+        xs = [i + 1 for i in sorted(drafted) if drafted[i] >= 5]
         if xs:
             ax2.plot(xs, [accepted[i - 1] / drafted[i - 1] for i in xs], marker="o", label=m)
     ax2.set_xlabel("draft position")
@@ -198,6 +204,14 @@ def report(rows: list[dict], modes: list[str]) -> None:
             acc = f" ({a[3] / a[2]:.0%})" if a[2] else ""
             cells.append(f"{_ratio(agg, cat, m):.2f}×{acc}")
         print(f"| {cat} | {base_tps:.1f} | " + " | ".join(cells) + " |")
+    llama = [m for m in modes if m.startswith("llama.cpp") and agg[("code-edit", m)][1]]
+    if llama and "auto" in modes:
+        def tps(m: str) -> float:
+            a = agg[("code-edit", m)]
+            return a[0] / a[1]
+        best = max(llama, key=tps)
+        print(f"\ncode-edit: auto {tps('auto'):.1f} tok/s, best llama.cpp mode ({best}) {tps(best):.1f} tok/s: "
+              f"auto ÷ best = {tps('auto') / tps(best):.2f}×")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 import pytest
 
-from edgespec.controller import AcceptanceTracker, Costs, choose_k, draft_can_pay, expected_tokens
+from edgespec.controller import AcceptanceTracker, Costs, CostTracker, choose_k, draft_can_pay, expected_tokens
+from edgespec.proposers.auto import match_class, match_prior
 
 # ../shared/FACTS.md: time of a batch of B tokens over a single-token pass, 2-core CPU.
 CPU = Costs((1, 2, 3, 4, 8, 16), (1.00, 1.59, 2.00, 2.51, 4.30, 4.93))
@@ -48,9 +49,36 @@ def test_a_draft_at_half_the_target_cost_does_not_pay_on_this_cpu():
 
 
 def test_tracker_decays_toward_recent_outcomes():
-    t = AcceptanceTracker(decay=0.5, prior=0.5)
+    t = AcceptanceTracker(decay=0.5, prior=lambda key: 0.5)
     t.update(3, True)
-    assert t.get(3) == 0.75 and t.get(4) == 0.5
+    # one success against a prior worth two trials: (1 + 0.5 * 2) / (1 + 2)
+    assert t.get(3) == pytest.approx(2 / 3) and t.get(4) == 0.5
     for _ in range(10):
         t.update(3, False)
-    assert t.get(3) < 0.01
+    # decayed counts: ~0 accepted of ~2 trials, the prior still weighs 2
+    assert t.get(3) == pytest.approx(0.5 * 2 / (2 + 2), abs=0.01)
+
+
+def test_match_classes_and_their_priors():
+    assert [match_class(n) for n in (1, 2, 4, 5, 7, 8, 15, 16, 64)] == [1, 2, 4, 5, 5, 6, 6, 7, 9]
+    assert match_prior(match_class(1)) == 0.0  # a one-token match is never worth a batch before evidence
+    assert match_prior(match_class(2)) == 0.5
+    assert match_prior(match_class(20)) == pytest.approx(1 - 1 / 16)
+    # with no evidence a 2-token match does not pay on the CPU curve, a 16-token one pays for 15
+    t = AcceptanceTracker(prior=match_prior)
+    assert choose_k(CPU, [t.get(match_class(2 + j)) for j in range(15)], 15)[0] == 0
+    assert choose_k(CPU, [t.get(match_class(16 + j)) for j in range(15)], 15)[0] == 15
+
+
+def test_cost_tracker_follows_observed_passes():
+    cal = Costs((1, 2, 4), (0.10, 0.15, 0.20))
+    ct = CostTracker(cal, decay=0.5)
+    assert ct.costs == cal
+    ct.observe(1, 0.12)  # first observation of a size is taken as is
+    assert ct.costs.target_seconds == pytest.approx((0.12, 0.18, 0.24))  # unobserved sizes borrow its scale
+    ct.observe(4, 0.30)  # a deep context: the batch of 4 costs 1.5x calibration, not 1.2x
+    assert ct.costs.target_seconds == pytest.approx((0.12, 0.18, 0.30))
+    ct.observe(1, 10.0)  # a stalled pass moves the scale at most 2x, then decays in
+    assert ct.costs.target_seconds[0] == pytest.approx(0.5 * 0.12 + 0.5 * 0.24)
+    ct.observe(3, 1.0)  # sizes that were not calibrated are ignored
+    assert ct.costs.batches == (1, 2, 4)

@@ -24,7 +24,16 @@ def test_prefers_the_longest_suffix_match():
     p.begin(ctx)
     prop = p.propose(ctx, 2)
     assert prop.tokens == [4, 0]
-    assert prop.confidence == [3 / 4, 3 / 4]
+    assert prop.match == 3
+
+
+def test_match_length_reaches_past_n_max():
+    p = proposer()
+    span = [10, 11, 12, 13, 14, 15, 16]
+    ctx = [1, *span, 20, 21, 5, *span]  # the last 7 tokens repeat, preceded by different ones
+    p.begin(ctx)
+    prop = p.propose(ctx, 2)
+    assert prop.tokens == [20, 21] and prop.match == 7
 
 
 def test_most_recent_occurrence_wins_among_equal_lengths():

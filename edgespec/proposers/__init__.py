@@ -23,10 +23,10 @@ class Proposal:
     # The proposer's own distribution at each position (same filters as the
     # target's) when it has one; None means the tokens are point guesses.
     dists: list[Dist] | None = None
-    # How sure the proposer is, per token, in [0, 1]: the draft's probability of
-    # its token, or for n-gram lookup the match length over the longest n.
+    # The draft's probability of each of its tokens, when it has one.
     confidence: list[float] = field(default_factory=list)
     source: str = ""  # which proposer made it ("ngram", "draft"; "none" for a plain step)
+    match: int = 0  # n-gram lookup: context tokens that matched where the proposal was copied from
 
 
 class Proposer(Protocol):

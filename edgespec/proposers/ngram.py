@@ -4,7 +4,9 @@ Code edits, summaries and RAG answers copy long spans of their prompt; a
 suffix match finds them with no model at all. The index maps every n-gram
 (n_min..n_max) to the position after its latest occurrence and is extended only
 by the tokens committed since the last call, so a lookup costs the same at
-token 100 and token 10,000.
+token 100 and token 10,000. Each proposal reports how far the match really
+reaches back (up to MATCH_CAP tokens): inside a copied span that length, not n,
+is what predicts the next tokens (proposers.auto keys its estimates on it).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from edgespec.proposers import Proposal
 
 DEFAULT_N_MIN = 2
 DEFAULT_N_MAX = 4
+MATCH_CAP = 64  # a match this long is as good as any longer one
 
 
 class NgramProposer:
@@ -50,7 +53,7 @@ class NgramProposer:
                     break  # never propose past the end of a turn or document
                 out.append(t)
             if out:
-                return Proposal(out, None, [n / self.n_max] * len(out), "ngram")
+                return Proposal(out, source="ngram", match=self._match_length(start, n))
         return Proposal()
 
     def accept(self, n_accepted: int) -> None:
@@ -58,6 +61,13 @@ class NgramProposer:
 
     def close(self) -> None:
         pass
+
+    def _match_length(self, start: int, n: int) -> int:
+        """How many tokens before `start` equal the context's last ones (at least n, at most MATCH_CAP)."""
+        toks, end = self._tokens, len(self._tokens)
+        while n < MATCH_CAP and n < start and toks[start - 1 - n] == toks[end - 1 - n]:
+            n += 1
+        return n
 
     def _extend(self, new: Sequence[int]) -> None:
         # Index n-grams that end before the last token: only those have a continuation.

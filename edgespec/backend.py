@@ -224,14 +224,23 @@ class Model:
             raise EdgespecError(f"KV cache of {self.path.name} ends at {pos} after trimming to {n_keep}")
         return dropped
 
-    def keep_prefix_of(self, tokens: Sequence[int]) -> int:
-        """Trim the cache to its longest prefix shared with `tokens`, short of their last token
-        (which must be decoded again for its logits); returns how many cached tokens were kept."""
+    def shared_prefix(self, tokens: Sequence[int]) -> int:
+        """Length of the cache's longest prefix shared with `tokens`, short of their last token
+        (which must be decoded again for its logits)."""
+        held = self.tokens
+        n = min(len(held), len(tokens) - 1)
+        if n >= 0 and held[:n] == list(tokens[:n]):  # the usual case, compared in C
+            return n
         n = 0
-        for a, b in zip(self.tokens, tokens[:-1]):
+        for a, b in zip(held, tokens[:-1]):
             if a != b:
                 break
             n += 1
+        return n
+
+    def keep_prefix_of(self, tokens: Sequence[int]) -> int:
+        """Trim the cache to `shared_prefix(tokens)`; returns how many cached tokens were kept."""
+        n = self.shared_prefix(tokens)
         self.trim(n)
         return n
 

@@ -2,8 +2,9 @@
 
 Costs come from a calibration at load: the target's time for a batch of B
 tokens, t(B), and the draft's time per token, measured once per model file,
-machine and thread count and cached. Acceptance is tracked online, decayed so
-it follows the text. `choose_k` is the pure function that puts them together:
+machine and thread count and cached, then corrected by the time of every pass
+actually run (a deeper context makes big batches dearer). Acceptance is
+tracked online, decayed so it follows the text. `choose_k` is the pure function that puts them together:
 it maximizes expected committed tokens per second, and K = 0 (a plain step)
 wins whenever verification costs more than the drafts are expected to save.
 """
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 # Batch sizes calibrated; the chooser only considers these, since the curve is
 # not monotonic (llama.cpp switches kernels with the batch size). Powers of two
 # are where the CPU kernels are cheapest per token (FACTS.md: t(12) > t(16)).
-CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32)
+CALIBRATION_BATCHES = (1, 2, 4, 8, 16)
 ACCEPT_DECAY = 0.9  # weight of the past per observation: follows the text within ~10 cycles
 ACCEPT_PRIOR = 0.5
 PRIOR_WEIGHT = 2.0  # the prior counts as this many observations
@@ -33,8 +34,11 @@ DRAFT_P_MIN = 0.5  # a draft token the draft itself rates below this is not wort
 # Acceptance per position a same-family draft reaches on favourable text (FACTS.md: 93% on code
 # editing); a draft that cannot pay even at this rate is not worth its memory.
 DRAFT_ACCEPT_CEILING = 0.9
+# A draft is kept only if, at that rate, it would beat plain decoding by this much: calibration
+# is one short measurement, and a draft that would gain 5% gains nothing after its noise.
+DRAFT_MIN_GAIN = 1.1
 COST_DECAY = 0.8  # weight of the past per observed pass: costs follow the context within a few passes
-CACHE_VERSION = 3
+CACHE_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,14 @@ class Costs:
     def candidate_ks(self) -> tuple[int, ...]:
         return tuple(b - 1 for b in self.batches)
 
+    def draft_batch_seconds(self, n: int) -> float:
+        """The draft decoding n tokens in one batch (catching up), priced on the target's curve
+        scaled to the draft's per-token cost: same architecture, smaller matrices."""
+        if n <= 0 or self.draft_seconds_per_token is None:
+            return 0.0
+        b = next((b for b in self.batches if b >= n), self.batches[-1])
+        return self.draft_seconds_per_token * self.verify_seconds(b) / self.verify_seconds(1) * max(1.0, n / b)
+
 
 class CostTracker:
     """The calibrated costs, corrected by every target pass actually run.
@@ -64,24 +76,31 @@ class CostTracker:
 
     def __init__(self, calibrated: Costs, decay: float = COST_DECAY) -> None:
         self.calibrated, self.decay = calibrated, decay
-        self._scale: dict[int, float] = {}
+        self._scale: dict[int, float] = {}  # batch size -> observed / calibrated; 0 is the draft per token
         self.costs = calibrated
 
     def observe(self, batch: int, seconds: float) -> None:
-        if batch not in self.calibrated.batches:
-            return
-        ratio = seconds / self.calibrated.verify_seconds(batch)
-        old = self._scale.get(batch)
+        """A target pass of `batch` tokens took `seconds`."""
+        if batch in self.calibrated.batches:
+            self._update(batch, seconds / self.calibrated.verify_seconds(batch))
+
+    def observe_draft(self, seconds_per_token: float) -> None:
+        """The draft proposed at `seconds_per_token`, sampling included."""
+        if self.calibrated.draft_seconds_per_token:
+            self._update(0, seconds_per_token / self.calibrated.draft_seconds_per_token)
+
+    def _update(self, key: int, ratio: float) -> None:
+        old = self._scale.get(key)
         # One stalled pass (a page fault, another process) moves the scale at most 2x.
-        self._scale[batch] = ratio if old is None else self.decay * old + (1 - self.decay) * min(max(ratio, old / 2),
-                                                                                                 old * 2)
+        self._scale[key] = ratio if old is None else self.decay * old + (1 - self.decay) * min(max(ratio, old / 2),
+                                                                                               old * 2)
         scales, last = [], 1.0
         for b in self.calibrated.batches:
             last = self._scale.get(b, last)
             scales.append(last)
         c = self.calibrated
-        self.costs = Costs(c.batches, tuple(t * s for t, s in zip(c.target_seconds, scales)),
-                           c.draft_seconds_per_token)
+        draft = c.draft_seconds_per_token * self._scale.get(0, 1.0) if c.draft_seconds_per_token else None
+        self.costs = Costs(c.batches, tuple(t * s for t, s in zip(c.target_seconds, scales)), draft)
 
 
 def expected_tokens(accept: Sequence[float], k: int) -> float:
@@ -98,23 +117,26 @@ def expected_tokens(accept: Sequence[float], k: int) -> float:
 
 
 def draft_can_pay(costs: Costs, k_max: int) -> bool:
-    """Whether the draft beats plain decoding at DRAFT_ACCEPT_CEILING for any k."""
+    """Whether the draft beats plain decoding by DRAFT_MIN_GAIN at DRAFT_ACCEPT_CEILING for some k."""
     if costs.draft_seconds_per_token is None:
         return False
-    return choose_k(costs, [DRAFT_ACCEPT_CEILING] * k_max, k_max, costs.draft_seconds_per_token)[0] > 0
+    _, rate = choose_k(costs, [DRAFT_ACCEPT_CEILING] * k_max, k_max, costs.draft_seconds_per_token)
+    return rate >= DRAFT_MIN_GAIN / costs.verify_seconds(1)
 
 
-def choose_k(costs: Costs, accept: Sequence[float], k_max: int, draft_cost_per_token: float = 0.0) -> tuple[int, float]:
+def choose_k(costs: Costs, accept: Sequence[float], k_max: int, draft_cost_per_token: float = 0.0,
+             fixed_cost: float = 0.0) -> tuple[int, float]:
     """The k in 0..k_max (among calibrated batch sizes) with the most expected tokens per second.
 
     Returns (k, expected tokens per second). `draft_cost_per_token` is 0 for
-    proposals that cost nothing (n-gram lookup).
+    proposals that cost nothing (n-gram lookup); `fixed_cost` is paid once by
+    any k > 0 (a draft catching up on tokens committed while it was idle).
     """
     best_k, best_rate = 0, 1.0 / costs.verify_seconds(1)
     for k in costs.candidate_ks:
         if k == 0 or k > min(k_max, len(accept)):
             continue
-        rate = expected_tokens(accept, k) / (costs.verify_seconds(k + 1) + k * draft_cost_per_token)
+        rate = expected_tokens(accept, k) / (costs.verify_seconds(k + 1) + k * draft_cost_per_token + fixed_cost)
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k, best_rate
@@ -183,19 +205,29 @@ def calibrate(target, draft=None, k_max: int = 15, cache_dir: Path | None = None
 def _time_batches(model, batches: Sequence[int]) -> tuple[float, ...]:
     """Seconds to decode each batch size with logits on every row, as verification asks.
 
-    One warm-up pass first (page faults, thread pool); then each size once, so
-    the whole calibration costs about sum(t(B)). The caches are left as found.
+    Warm-up passes first (page faults, thread pool, both kernel paths); then
+    three rounds over all sizes and the median per size. Rounds, not three
+    passes in a row, so that a burst of load from elsewhere spoils one sample of
+    several sizes rather than every sample of one: a size judged too dear is
+    never tried, so never corrected (CostTracker only sees the passes run). The
+    caches are left as found.
     """
     base = model.n_past
     token = model.vocab.bos if model.vocab.bos is not None else 0
-    model.decode([token] * batches[-1], n_outputs=batches[-1])
-    model.trim(base)
-    out = []
-    for b in batches:
-        t = time.perf_counter()
+    for b in (batches[-1], 1):
         model.decode([token] * b, n_outputs=b)
-        out.append(time.perf_counter() - t)
         model.trim(base)
+    samples: list[list[float]] = [[] for _ in batches]
+    for _ in range(3):
+        for i, b in enumerate(batches):
+            t = time.perf_counter()
+            model.decode([token] * b, n_outputs=b)
+            samples[i].append(time.perf_counter() - t)
+            model.trim(base)
+    out: list[float] = []
+    for times in samples:
+        # Among powers of two a larger batch never costs less; a dip is noise.
+        out.append(max(sorted(times)[1], out[-1] if out else 0.0))
     return tuple(out)
 
 

@@ -81,6 +81,17 @@ def test_trim_then_regenerate_gives_the_same_logits(smollm):
     np.testing.assert_array_equal(first, again)
 
 
+def test_shared_prefix_and_keep_prefix_of(smollm):
+    smollm.trim(0)
+    smollm.decode([10, 11, 12, 13])
+    assert smollm.shared_prefix([10, 11, 12, 13, 14]) == 4  # the cache is a prefix: nothing to redo
+    assert smollm.shared_prefix([10, 11, 12, 13]) == 3  # the last token is decoded again for its logits
+    assert smollm.shared_prefix([10, 11, 99, 13, 14]) == 2
+    assert smollm.shared_prefix([]) == 0
+    assert smollm.keep_prefix_of([10, 11, 99]) == 2
+    assert smollm.tokens == [10, 11] and smollm.pos_max() == 1
+
+
 def test_context_overflow_is_refused_without_damage(smollm):
     smollm.trim(0)
     smollm.decode(smollm.tokenize("hello"))

@@ -82,3 +82,29 @@ def test_cost_tracker_follows_observed_passes():
     assert ct.costs.target_seconds[0] == pytest.approx(0.5 * 0.12 + 0.5 * 0.24)
     ct.observe(3, 1.0)  # sizes that were not calibrated are ignored
     assert ct.costs.batches == (1, 2, 4)
+
+
+def test_an_idle_draft_pays_for_catching_up():
+    costs = Costs(GPU.batches, GPU.target_seconds, 0.3)
+    # the draft's batch of n is priced on the target's curve: 8 tokens at 1.10/1.00 of one step
+    assert costs.draft_batch_seconds(8) == pytest.approx(0.3 * 1.10)
+    assert costs.draft_batch_seconds(700) == pytest.approx(0.3 * 1.20 * 700 / 16)
+    accept = [0.9] * 15
+    assert choose_k(costs, accept, 15, 0.3)[0] > 0
+    # the same draft after 700 prompt tokens it never saw: catching up costs more than it saves
+    assert choose_k(costs, accept, 15, 0.3, fixed_cost=costs.draft_batch_seconds(700) - 0.3)[0] == 0
+
+
+def test_a_draft_that_gains_only_a_few_percent_is_not_kept():
+    # at 90% acceptance and 0.44 per token, k=3 beats plain decoding by ~5% on this curve
+    curve = Costs((1, 2, 4, 8, 16, 32), (1.00, 1.75, 1.96, 3.91, 4.86, 7.35), 0.44)
+    k, rate = choose_k(curve, [0.9] * 31, 31, 0.44)
+    assert k == 3 and 1.0 < rate < 1.1
+    assert not draft_can_pay(curve, 31)
+
+
+def test_cost_tracker_follows_the_draft():
+    ct = CostTracker(Costs((1, 2), (0.10, 0.15), 0.05))
+    ct.observe_draft(0.06)
+    assert ct.costs.draft_seconds_per_token == pytest.approx(0.06)
+    assert ct.costs.target_seconds == (0.10, 0.15)

@@ -8,6 +8,7 @@ extra row in the next draft batch instead of a separate pass.
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import numpy as np
@@ -59,6 +60,13 @@ class DraftProposer:
         self._cfg = SamplingConfig()
         self._rng = np.random.default_rng()
         self._base = 0
+        # Seconds per drafted token in the last proposal that needed no catch-up; None otherwise.
+        self.last_seconds_per_token: float | None = None
+
+    def lag(self, context: Sequence[int]) -> int:
+        """Tokens the draft must decode before its first proposal: the last committed one, and
+        everything committed while it was not used (all of the prompt the first time)."""
+        return len(context) - self.model.shared_prefix(context)
 
     def begin(self, prompt: Sequence[int], cfg: SamplingConfig, rng: np.random.Generator) -> None:
         self._cfg, self._rng = cfg, rng  # the prompt itself is decoded lazily by the first propose
@@ -67,8 +75,11 @@ class DraftProposer:
         m = self.model
         m.keep_prefix_of(context)
         self._base = len(context)
+        self.last_seconds_per_token = None
         if k <= 0:
             return Proposal()
+        lag = len(context) - m.n_past
+        t0 = time.perf_counter()
         logits = m.decode(context[m.n_past :], n_outputs=1)[-1]
         out = Proposal([], None if self._cfg.greedy else [], [], "draft")
         for i in range(k):
@@ -88,6 +99,8 @@ class DraftProposer:
             if i == k - 1 or m.is_eog(tok) or m.n_past >= m.n_ctx:
                 break
             logits = m.decode([tok])[-1]
+        if lag == 1 and out.tokens:  # one pass per drafted token: the draft's real cost per token
+            self.last_seconds_per_token = (time.perf_counter() - t0) / len(out.tokens)
         return out
 
     def accept(self, n_accepted: int) -> None:

@@ -133,6 +133,12 @@ def _stats_line(s: Any, finish: str | None = None) -> str:
             f"at {s.tokens_per_second:.1f} tok/s{spec}{end}]")
 
 
+def _echo_stats(last: Any, quiet: bool) -> None:
+    """The stats line of a finished stream on stderr, unless --quiet."""
+    if not quiet and last is not None and last.stats is not None:
+        click.echo(click.style(_stats_line(last.stats, last.finish_reason), dim=True), err=True)
+
+
 def _print_stream(chunks: Any) -> Any:
     """Print text as it is committed; returns the last chunk (with stats)."""
     last = None
@@ -165,9 +171,7 @@ def generate(prompt: str | None, prompt_file: Path | None, chat: bool, as_json: 
             click.echo(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
                                    "stats": out.stats.to_dict()}))
             return
-        last = _print_stream(engine.stream(tokens, config, stop=o["stop"]))
-        if not o["quiet"] and last is not None and last.stats is not None:
-            click.echo(click.style(_stats_line(last.stats, last.finish_reason), dim=True), err=True)
+        _echo_stats(_print_stream(engine.stream(tokens, config, stop=o["stop"])), o["quiet"])
 
 
 @cli.command()
@@ -179,9 +183,8 @@ def complete(prompt: str | None, **o: Any) -> None:
     """Raw completion of a prompt (from --prompt or stdin), no chat template: for scripts."""
     text = prompt if prompt is not None else sys.stdin.read()
     with _open_engine(o) as engine:
-        last = _print_stream(engine.stream(engine.tokenize(text), _generation_config(o), stop=o["stop"]))
-        if not o["quiet"] and last is not None and last.stats is not None:
-            click.echo(click.style(_stats_line(last.stats, last.finish_reason), dim=True), err=True)
+        _echo_stats(_print_stream(engine.stream(engine.tokenize(text), _generation_config(o), stop=o["stop"])),
+                    o["quiet"])
 
 
 CHAT_HELP = "/reset  forget the conversation   /stats  numbers of the last answer\n" \
@@ -254,8 +257,7 @@ def _answer(session: Any, text: str, quiet: bool) -> None:
     for notice in session.notices:
         click.echo(click.style(f"note: {notice}", fg="yellow"), err=True)
     session.notices.clear()
-    if not quiet and last is not None and last.stats is not None:
-        click.echo(click.style(_stats_line(last.stats, last.finish_reason), dim=True), err=True)
+    _echo_stats(last, quiet)
 
 
 @cli.command()

@@ -20,7 +20,7 @@ from edgespec import budget, chat, sampling, verify
 from edgespec.backend import Model, ModelFacts, read_facts, supports_gpu_offload
 from edgespec.budget import K_MAX_CAP, ModelMemory
 from edgespec.config import DEFAULT_K, MAX_K, GenerationConfig, LoadConfig
-from edgespec.controller import DRAFT_ACCEPT_CEILING, DRAFT_P_MIN, CostTracker, calibrate, draft_can_pay
+from edgespec.controller import DRAFT_ACCEPT_CEILING, DRAFT_P_MIN, Costs, CostTracker, calibrate, draft_can_pay
 from edgespec.errors import ContextOverflowError, InvalidRequestError, OutOfMemoryError, UnsupportedModelError
 from edgespec.models import DEFAULT_MODEL, resolve
 from edgespec.proposers import PROPOSERS, Proposal, Proposer
@@ -211,12 +211,11 @@ class Engine:
     def _auto(self, drafter: DraftProposer | None, k_max: int) -> AutoProposer:
         """Calibrate this machine's costs; unload a draft that cannot pay even at DRAFT_ACCEPT_CEILING."""
         try:
-            self.costs = calibrate(self.target, drafter.model if drafter else None, k_max)
+            c = calibrate(self.target, drafter.model if drafter else None, k_max)
         except BaseException:
             if drafter is not None:
                 drafter.close()
             raise
-        c = self.costs
         if drafter is not None and not draft_can_pay(c, k_max):
             self.notes.append(
                 f"draft {drafter.model.path.name} unloaded: on this machine it would be slower than plain decoding "
@@ -228,6 +227,11 @@ class Engine:
             drafter = None
         self.cost_tracker = CostTracker(c)
         return AutoProposer(NgramProposer(self.target.is_eog), drafter, self.cost_tracker)
+
+    @property
+    def costs(self) -> Costs | None:
+        """The costs calibrated at load (auto only); the tracker holds their corrected form."""
+        return self.cost_tracker.calibrated if self.cost_tracker is not None else None
 
     def close(self) -> None:
         if self.proposer is not None:

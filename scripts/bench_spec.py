@@ -170,11 +170,13 @@ def plot(rows: list[dict], modes: list[str], path: Path) -> None:
 
 def fastest_repeats(rows: list[dict]) -> list[dict]:
     """Per (prompt, mode) the repeat with the highest decode tok/s."""
+    def tps(r: dict) -> float:
+        return r["tokens"] / r["seconds"] if r["seconds"] else 0.0
+
     best: dict[tuple[int, str], dict] = {}
     for r in rows:
         key = (r["prompt"], r["mode"])
-        tps = r["tokens"] / r["seconds"] if r["seconds"] else 0.0
-        if key not in best or tps > best[key]["tokens"] / max(best[key]["seconds"], 1e-9):
+        if key not in best or tps(r) > tps(best[key]):
             best[key] = r
     return list(best.values())
 

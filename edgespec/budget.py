@@ -24,7 +24,7 @@ MiB = 1 << 20
 # Bytes per KV element by llama.cpp cache type.
 KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 MIN_CTX = 256  # llama.cpp pads smaller contexts up to this
-K_MAX_CAP = 15  # most draft tokens per cycle the controller will consider (a batch of 16)
+K_MAX_CAP = 63  # most draft tokens per cycle the controller will consider (a batch of 64)
 HEADROOM = 0.9  # plan within 90% of what is free: the OS, Python and llama.cpp's own arrays need room
 OVERHEAD_BYTES = 64 * MiB  # per context: graph metadata, sampler and Python-side arrays
 

@@ -25,8 +25,10 @@ log = logging.getLogger(__name__)
 
 # Batch sizes calibrated; the chooser only considers these, since the curve is
 # not monotonic (llama.cpp switches kernels with the batch size). Powers of two
-# are where the CPU kernels are cheapest per token (FACTS.md: t(12) > t(16)).
-CALIBRATION_BATCHES = (1, 2, 4, 8, 16)
+# are where the CPU kernels are cheapest per token (FACTS.md: t(12) > t(16);
+# here at 500 tokens of context t(56) = 13.5, t(64) = 12.1 single steps). 32 and 64
+# pay inside a long copy: per token they cost 0.23 and 0.19 steps there, 16 costs 0.26.
+CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 ACCEPT_DECAY = 0.9  # weight of the past per observation: follows the text within ~10 cycles
 ACCEPT_PRIOR = 0.5
 PRIOR_WEIGHT = 2.0  # the prior counts as this many observations
@@ -38,7 +40,7 @@ DRAFT_ACCEPT_CEILING = 0.9
 # is one short measurement, and a draft that would gain 5% gains nothing after its noise.
 DRAFT_MIN_GAIN = 1.1
 COST_DECAY = 0.8  # weight of the past per observed pass: costs follow the context within a few passes
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 
 
 @dataclass(frozen=True)

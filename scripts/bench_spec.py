@@ -5,7 +5,9 @@ times with the order reversed each time (none, auto, auto, none), so machine
 noise and drift hit every mode alike; per category the script reports decode
 tok/s (tokens after the first, over decode time, summed over prompts and
 repeats), its ratio to plain decoding in the same run, and acceptance. Greedy,
-as Spec-Bench is usually reported.
+as Spec-Bench is usually reported. llama.cpp's decoders do not stop at the
+requested length, so on the code-editing set auto is also run for as many
+tokens as each of them decoded and compared at equal length.
 
     python scripts/bench_spec.py --llama-cpp --plot
         # plain decoding and auto; llama.cpp's own n-gram speculation on the code-editing set
@@ -34,8 +36,10 @@ import workloads  # noqa: E402
 from edgespec import Engine, GenerationConfig, LoadConfig  # noqa: E402
 from edgespec.models import resolve  # noqa: E402
 
-# llama.cpp's n-gram speculation, each with its default draft length and with 16.
-LLAMA_CPP_MODES = (("ngram-map-k", 3), ("ngram-map-k", 16), ("ngram-mod", 3), ("ngram-mod", 16))
+# llama.cpp's n-gram speculation at its defaults: ngram-map-k looks up a 12-token key and drafts up
+# to 48 tokens, ngram-mod needs a 24-token match and drafts 48 to 64. Neither reads
+# --spec-draft-n-max, nor -n: a draft may run past the requested length (124-193 tokens for 128).
+LLAMA_CPP_MODES = ("ngram-map-k", "ngram-mod")
 
 
 def parse_modes(text: str) -> list[tuple[str, int]]:
@@ -93,16 +97,27 @@ def main() -> None:
                              "drafted_at": s.drafted_at, "by_proposer": s.cycles_by_proposer})
         if tool is not None and category == "code-edit":
             prompt_text = engines["none"].chat_text([{"role": "user", "content": text}])
-            for spec, n_max in LLAMA_CPP_MODES:
-                n, secs, drafted, accepted = run_llama_cpp(tool, resolve(args.model), prompt_text, spec, n_max,
-                                                           args.max_tokens, args.threads)
-                rows.append({"category": category, "prompt": i, "mode": f"llama.cpp {spec}:{n_max}", "tokens": n,
-                             "seconds": secs, "drafted": drafted, "accepted": accepted, "cycles": 0})
+            lengths = {}
+            for rep in range(args.repeats):
+                for spec in LLAMA_CPP_MODES if rep % 2 == 0 else LLAMA_CPP_MODES[::-1]:
+                    n, secs, drafted, accepted = run_llama_cpp(tool, resolve(args.model), prompt_text, spec,
+                                                               args.max_tokens, args.threads)
+                    lengths.setdefault(spec, n)
+                    rows.append({"category": category, "prompt": i, "repeat": rep, "mode": f"llama.cpp {spec}",
+                                 "tokens": n, "seconds": secs, "drafted": drafted, "accepted": accepted, "cycles": 0})
+            # auto over as many tokens as llama.cpp decoded: the end of an edit is mostly copy, the cheapest part
+            tokens = engines["none"].chat_tokens([{"role": "user", "content": text}])
+            for rep in range(args.repeats if "auto" in engines else 0):
+                for spec, n in lengths.items():
+                    s = engines["auto"].generate(tokens, GenerationConfig(max_tokens=n + 1)).stats
+                    rows.append({"category": category, "prompt": i, "repeat": rep, "mode": f"auto, {spec} length",
+                                 "tokens": s.completion_tokens - 1, "seconds": s.decode_seconds,
+                                 "drafted": s.drafted, "accepted": s.accepted, "cycles": s.cycles})
         print(f"[{i + 1}/{len(prompts)}] {category} done, {time.time() - t_start:.0f}s", file=sys.stderr)
 
     mode_names = [f"{n}:{k}" if k else n for n, k in modes]
     if tool is not None:
-        mode_names += [f"llama.cpp {s}:{n}" for s, n in LLAMA_CPP_MODES]
+        mode_names += [f"llama.cpp {s}" for s in LLAMA_CPP_MODES]
     report(rows, mode_names)
     if args.repeats > 1:
         print("\nthe same, counting per prompt and mode only its fastest repeat (a burst of load from elsewhere"
@@ -114,13 +129,13 @@ def main() -> None:
         plot(rows, mode_names, args.out.with_suffix(".png"))
 
 
-def run_llama_cpp(tool: Path, model: Path, prompt: str, spec: str, n_max: int, n: int, threads: int):
+def run_llama_cpp(tool: Path, model: Path, prompt: str, spec: str, n: int, threads: int):
     """llama-speculative-simple on the same (already templated) prompt; its own decode figures."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(prompt)
         f.flush()
         out = subprocess.run([str(tool), "-m", str(model), "-f", f.name, "-n", str(n), "-t", str(threads),
-                              "--temp", "0", "-c", "4096", "--spec-type", spec, "--spec-draft-n-max", str(n_max)],
+                              "--temp", "0", "-c", "4096", "--spec-type", spec],
                              capture_output=True, text=True, check=True)
     text = out.stdout + out.stderr
     m = re.search(r"decoded\s+(\d+) tokens in\s+([0-9.]+) seconds", text)
@@ -182,7 +197,7 @@ def fastest_repeats(rows: list[dict]) -> list[dict]:
 
 
 def _aggregate(rows: list[dict]) -> dict[tuple[str, str], list[float]]:
-    agg: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0])
+    agg: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0, 0, 0, 0])  # tokens, s, drafted, acc, runs
     for r in rows:
         cats = [r["category"]] + (["all Spec-Bench"] if r["category"] != "code-edit" else [])
         for cat in cats:
@@ -191,6 +206,7 @@ def _aggregate(rows: list[dict]) -> dict[tuple[str, str], list[float]]:
             a[1] += r["seconds"]
             a[2] += r["drafted"]
             a[3] += r["accepted"]
+            a[4] += 1
     return agg
 
 
@@ -203,7 +219,8 @@ def _ratio(agg, cat: str, mode: str) -> float:
 
 def report(rows: list[dict], modes: list[str]) -> None:
     agg = _aggregate(rows)
-    cats = list(dict.fromkeys(r["category"] for r in rows)) + ["all Spec-Bench"]
+    cats = list(dict.fromkeys(r["category"] for r in rows))
+    cats += ["all Spec-Bench"] if any(c != "code-edit" for c in cats) else []
     print("\ndecode speed ÷ plain decoding in the same run (acceptance in brackets)\n")
     print("| category | plain tok/s | " + " | ".join(m for m in modes if m != "none") + " |")
     print("|---|---:|" + "---:|" * (len(modes) - 1))
@@ -225,10 +242,18 @@ def report(rows: list[dict], modes: list[str]) -> None:
     if llama and "auto" in modes:
         def tps(m: str) -> float:
             a = agg[("code-edit", m)]
-            return a[0] / a[1]
-        best = max(llama, key=tps)
-        print(f"\ncode-edit: auto {tps('auto'):.1f} tok/s, best llama.cpp mode ({best}) {tps(best):.1f} tok/s: "
-              f"auto ÷ best = {tps('auto') / tps(best):.2f}×")
+            return a[0] / a[1] if a[1] else 0.0
+
+        def per_run(m: str) -> float:
+            a = agg[("code-edit", m)]
+            return a[0] / a[4] if a[4] else 0.0
+
+        print(f"\ncode-edit: auto {tps('auto'):.1f} tok/s ({per_run('auto'):.0f} tokens per run)")
+        for m in llama:
+            same = f"auto, {m.removeprefix('llama.cpp ')} length"
+            print(f"  {m}: {tps(m):.1f} tok/s ({per_run(m):.0f} tokens per run); auto ÷ it = "
+                  f"{tps('auto') / tps(m):.2f}×; auto over the same lengths {tps(same):.1f} tok/s, "
+                  f"÷ it = {tps(same) / tps(m):.2f}×")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,15 @@ def test_high_acceptance_takes_the_long_cheap_batch():
     assert rate == pytest.approx(expected_tokens([0.95] * 15, 15) / 4.93)
 
 
+def test_batches_of_32_and_64_only_for_matches_that_almost_never_fail():
+    # measured here at 500 tokens of context, rounded: 64 tokens cost 0.20 of a step each, 16 cost 0.28
+    cpu64 = Costs((1, 2, 4, 8, 16, 32, 64), (1.0, 1.5, 1.9, 3.3, 4.5, 8.0, 13.0))
+    # 0.99: 47.4 tokens expected for 13.0 beats 14.9 for 4.5 (3.65 vs 3.31 per step)
+    assert choose_k(cpu64, [0.99] * 63, 63)[0] == 63
+    # 0.95: a draft of 63 is mostly wasted: 19.2 tokens for 13.0, while 15 give 11.2 for 4.5
+    assert choose_k(cpu64, [0.95] * 63, 63)[0] == 15
+
+
 def test_gpu_curve_pays_at_modest_acceptance():
     assert choose_k(GPU, [0.6] * 15, 15)[0] >= 3
     assert choose_k(CPU, [0.6] * 15, 15)[0] <= 1

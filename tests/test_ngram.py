@@ -43,6 +43,15 @@ def test_most_recent_occurrence_wins_among_equal_lengths():
     assert p.propose(ctx, 1).tokens == [2]
 
 
+def test_the_occurrence_with_the_longest_match_wins_over_a_more_recent_one():
+    p = proposer(n_min=2, n_max=2)
+    # "7 8" last occurred after 3 (followed by 2), but the span "5 6 7 8" being copied was followed by 1
+    ctx = [5, 6, 7, 8, 1, 0, 3, 7, 8, 2, 0, 9, 5, 6, 7, 8]
+    p.begin(ctx)
+    prop = p.propose(ctx, 2)
+    assert prop.tokens == [1, 0] and prop.match == 4
+
+
 def test_never_proposes_past_eos():
     p = proposer()
     ctx = [1, 2, 3, 4, EOS, 5, 1, 2, 3]
@@ -88,5 +97,5 @@ def test_work_per_cycle_does_not_grow_with_the_context():
         ctx += [i % 50 for i in range(n_new)]
         CountingDict.ops = 0
         p.propose(ctx, 8)
-        # per new token: one insert per n (3); per lookup: at most one get per n (3)
-        assert CountingDict.ops <= 3 * n_new + 3
+        # per new token and n (3): a get, and an insert for an n-gram not seen before; per lookup: a get per n
+        assert CountingDict.ops <= 2 * 3 * n_new + 3

@@ -2,11 +2,14 @@
 
 Code edits, summaries and RAG answers copy long spans of their prompt; a
 suffix match finds them with no model at all. The index maps every n-gram
-(n_min..n_max) to the position after its latest occurrence and is extended only
-by the tokens committed since the last call, so a lookup costs the same at
-token 100 and token 10,000. Each proposal reports how far the match really
-reaches back (up to MATCH_CAP tokens): inside a copied span that length, not n,
-is what predicts the next tokens (proposers.auto keys its estimates on it).
+(n_min..n_max) to the positions after its last CANDIDATES occurrences and is
+extended only by the tokens committed since the last call, so a lookup costs
+the same at token 100 and token 100,000. Of those occurrences the one whose
+match reaches furthest back wins (the most recent among equals): a short n-gram
+like "    return" recurs in the answer itself, while the span being copied
+matches for dozens of tokens. Each proposal reports that length (up to
+MATCH_CAP): inside a copied span it, not n, predicts the next tokens
+(proposers.auto keys its estimates on it).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from edgespec.proposers import Proposal
 DEFAULT_N_MIN = 2
 DEFAULT_N_MAX = 4
 MATCH_CAP = 64  # a match this long is as good as any longer one
+CANDIDATES = 4  # occurrences kept per n-gram
 
 
 class NgramProposer:
@@ -28,7 +32,7 @@ class NgramProposer:
             raise ValueError(f"n-gram range {n_min}..{n_max} is empty; use 1 <= n_min <= n_max")
         self.n_min, self.n_max = n_min, n_max
         self._is_eog = is_eog
-        self._index: dict[tuple[int, ...], int] = {}
+        self._index: dict[tuple[int, ...], list[int]] = {}
         self._tokens: list[int] = []
 
     def begin(self, prompt: Sequence[int], cfg: object = None, rng: object = None) -> None:
@@ -44,16 +48,17 @@ class NgramProposer:
             return Proposal()
         toks = self._tokens
         for n in range(min(self.n_max, len(toks) - 1), self.n_min - 1, -1):
-            start = self._index.get(tuple(toks[len(toks) - n:]))
-            if start is None:
+            starts = self._index.get(tuple(toks[len(toks) - n:]))
+            if starts is None:
                 continue
+            match, start = max((self._match_length(s, n), s) for s in starts)  # ties: the most recent
             out = []
             for t in toks[start : start + k]:
                 if self._is_eog(t):
                     break  # never propose past the end of a turn or document
                 out.append(t)
             if out:
-                return Proposal(out, source="ngram", match=self._match_length(start, n))
+                return Proposal(out, source="ngram", match=match)
         return Proposal()
 
     def accept(self, n_accepted: int) -> None:
@@ -76,4 +81,11 @@ class NgramProposer:
             end = len(toks)  # the n-grams ending at toks[end-1] are followed by t
             toks.append(t)
             for n in range(self.n_min, min(self.n_max, end) + 1):
-                self._index[tuple(toks[end - n : end])] = end
+                key = tuple(toks[end - n : end])
+                starts = self._index.get(key)
+                if starts is None:
+                    self._index[key] = [end]
+                else:
+                    starts.append(end)
+                    if len(starts) > CANDIDATES:
+                        del starts[0]

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from edgespec.budget import K_MAX_CAP
+
 log = logging.getLogger(__name__)
 
 # Batch sizes calibrated; the chooser only considers these, since the curve is
@@ -170,7 +172,7 @@ class AcceptanceTracker:
 # -- calibration ------------------------------------------------------------------
 
 
-def calibrate(target, draft=None, k_max: int = 15, cache_dir: Path | None = None) -> Costs:
+def calibrate(target, draft=None, k_max: int = K_MAX_CAP, cache_dir: Path | None = None) -> Costs:
     """Measure t(B) of the target and the draft's per-token cost; cached per file, machine and threads.
 
     `target` and `draft` are backend.Model objects. The measurement decodes at

@@ -84,19 +84,21 @@ def main() -> None:
     rows = []
     t_start = time.time()
     for i, (category, text) in enumerate(prompts):
+        # every engine loads the same target, so the templated prompt is the same for all
+        messages = [{"role": "user", "content": text}]
+        tokens = engines["none"].chat_tokens(messages)
         for rep in range(args.repeats):
             for name, k in modes if rep % 2 == 0 else modes[::-1]:
                 engine = engines[name]
                 if k:
                     engine.k = k
-                tokens = engine.chat_tokens([{"role": "user", "content": text}])
                 s = engine.generate(tokens, config).stats
                 rows.append({"category": category, "prompt": i, "repeat": rep, "mode": f"{name}:{k}" if k else name,
                              "tokens": s.completion_tokens - 1, "seconds": s.decode_seconds, "drafted": s.drafted,
                              "accepted": s.accepted, "cycles": s.cycles, "accepted_at": s.accepted_at,
                              "drafted_at": s.drafted_at, "by_proposer": s.cycles_by_proposer})
         if tool is not None and category == "code-edit":
-            prompt_text = engines["none"].chat_text([{"role": "user", "content": text}])
+            prompt_text = engines["none"].chat_text(messages)
             lengths = {}
             for rep in range(args.repeats):
                 for spec in LLAMA_CPP_MODES if rep % 2 == 0 else LLAMA_CPP_MODES[::-1]:
@@ -106,7 +108,6 @@ def main() -> None:
                     rows.append({"category": category, "prompt": i, "repeat": rep, "mode": f"llama.cpp {spec}",
                                  "tokens": n, "seconds": secs, "drafted": drafted, "accepted": accepted, "cycles": 0})
             # auto over as many tokens as llama.cpp decoded: the end of an edit is mostly copy, the cheapest part
-            tokens = engines["none"].chat_tokens([{"role": "user", "content": text}])
             for rep in range(args.repeats if "auto" in engines else 0):
                 for spec, n in lengths.items():
                     s = engines["auto"].generate(tokens, GenerationConfig(max_tokens=n + 1)).stats

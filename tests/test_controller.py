@@ -37,6 +37,25 @@ def test_batches_of_32_and_64_only_for_matches_that_almost_never_fail():
     assert choose_k(cpu64, [0.95] * 63, 63)[0] == 15
 
 
+def test_a_bet_must_pay_at_the_pessimistic_estimates_too():
+    # 0.7 per token: two drafts give 2.19 tokens for 2.00 singles (1.095), the best k by the mean
+    assert choose_k(CPU, [0.7] * 15, 15) == (2, pytest.approx(2.19 / 2.00))
+    # one standard error lower, 0.6: 1.96 tokens for 2.00 singles loses to a plain step
+    assert choose_k(CPU, [0.7] * 15, 15, accept_low=[0.6] * 15) == (0, 1.0)
+    # at 0.65 it still pays (2.0725 for 2.00), and k stays the mean's choice
+    assert choose_k(CPU, [0.7] * 15, 15, accept_low=[0.65] * 15)[0] == 2
+
+
+def test_lower_estimate_narrows_with_consistent_evidence():
+    t = AcceptanceTracker(prior=lambda key: 0.5)
+    # the prior alone, worth two trials: 0.5 - sqrt(0.25 / 2)
+    assert t.lower(2) == pytest.approx(0.5 - 0.125 ** 0.5)
+    for _ in range(30):
+        t.update(2, True)
+    p = t.get(2)
+    assert p > 0.9 and p - t.lower(2) < 0.1
+
+
 def test_gpu_curve_pays_at_modest_acceptance():
     assert choose_k(GPU, [0.6] * 15, 15)[0] >= 3
     assert choose_k(CPU, [0.6] * 15, 15)[0] <= 1

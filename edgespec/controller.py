@@ -34,7 +34,7 @@ CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 ACCEPT_DECAY = 0.9  # weight of the past per observation: follows the text within ~10 cycles
 ACCEPT_PRIOR = 0.5
 PRIOR_WEIGHT = 2.0  # the prior counts as this many observations
-# A proposal is verified only if it still pays with every estimate one standard error lower:
+# An n-gram proposal is verified only if it still pays with every estimate one standard error lower:
 # near break-even bets on few observations lose on prose (replay of the benchmark's target-only
 # outputs: rag 0.97x -> 1.00x plain, code editing 2.37x -> 2.35x).
 CONFIDENCE_Z = 1.0

@@ -65,6 +65,7 @@ class AutoProposer:
         best, best_rate, source = 0, 1.0 / costs.verify_seconds(1), "none"
         if ng.tokens:
             # Once token j is accepted the match is ng.match + j long, so each position has its own estimate.
+            # Lookup's estimates learn on every cycle, taken or not, so declining a doubtful bet costs nothing.
             keys = [match_class(ng.match + j) for j in range(len(ng.tokens))]
             k_ng, rate = choose_k(costs, [self.ngram_accept.get(c) for c in keys], k,
                                   accept_low=[self.ngram_accept.lower(c) for c in keys])
@@ -73,8 +74,10 @@ class AutoProposer:
         if self.draft is not None and costs.draft_seconds_per_token is not None:
             # An idle draft first decodes what was committed without it; its first pass is a draft step anyway.
             catch_up = costs.draft_batch_seconds(self.draft.lag(context)) - costs.draft_seconds_per_token
-            k_d, rate = choose_k(costs, [self.draft_accept.get(j) for j in range(k)], k, costs.draft_seconds_per_token,
-                                 fixed_cost=max(0.0, catch_up), accept_low=[self.draft_accept.lower(j) for j in range(k)])
+            # Priced by the mean alone: the draft's estimates learn only from drafts verified, so a
+            # pessimistic gate would keep an untried draft untried.
+            accept = [self.draft_accept.get(j) for j in range(k)]
+            k_d, rate = choose_k(costs, accept, k, costs.draft_seconds_per_token, fixed_cost=max(0.0, catch_up))
             if rate > best_rate:
                 best, best_rate, source = k_d, rate, "draft"
 

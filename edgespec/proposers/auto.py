@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from edgespec.config import SamplingConfig
-from edgespec.controller import AcceptanceTracker, CostTracker, choose_k
+from edgespec.controller import CONFIDENCE_Z, AcceptanceTracker, CostTracker, choose_k
 from edgespec.proposers import Proposal
 from edgespec.proposers.draft import DraftProposer
 from edgespec.proposers.ngram import NgramProposer
@@ -46,6 +46,7 @@ class AutoProposer:
         self.ngram, self.draft, self.cost_tracker = ngram, draft, costs
         self.ngram_accept = AcceptanceTracker(prior=match_prior)  # keyed by match_class of the match length
         self.draft_accept = AcceptanceTracker()  # keyed by draft position
+        self.confidence_z = CONFIDENCE_Z  # standard errors below its estimates a lookup bet must still pay
         self.last_source = "none"
         self._chosen: Proposal = Proposal()
         self._shadow: tuple[int, list[int], int] | None = None  # (context length, n-gram tokens, match length)
@@ -68,7 +69,7 @@ class AutoProposer:
             # Lookup's estimates learn on every cycle, taken or not, so declining a doubtful bet costs nothing.
             keys = [match_class(ng.match + j) for j in range(len(ng.tokens))]
             k_ng, rate = choose_k(costs, [self.ngram_accept.get(c) for c in keys], k,
-                                  accept_low=[self.ngram_accept.lower(c) for c in keys])
+                                  accept_low=[self.ngram_accept.lower(c, self.confidence_z) for c in keys])
             if rate > best_rate:
                 best, best_rate, source = k_ng, rate, "ngram"
         if self.draft is not None and costs.draft_seconds_per_token is not None:

@@ -1,0 +1,117 @@
+"""Replay `auto`'s n-gram choices over recorded target-only outputs, without timing noise.
+
+    python scripts/replay_auto.py record --out bench-results/traces.json   # greedy, proposer none
+    python scripts/replay_auto.py replay bench-results/traces.json [--curve 1,1.5,...] [--calibrated 1,1.4,...]
+
+`record` decodes the benchmark prompts (scripts/workloads.py) with plain greedy
+decoding. `replay` feeds each output, cycle by cycle, through the real
+AutoProposer: what it proposes is accepted as far as it matches the recorded
+output, and every cycle is charged t(B) from a curve in single steps (B = 1, 2,
+4, ..., 64); `auto` starts from the `--calibrated` curve (by default the
+same) and corrects it from the charged passes, as it does live. It also prints an oracle that knows how far each lookup proposal
+will be accepted and takes the best batch size for it: the ceiling for this
+proposer. Kernel flips under batched verification are not modelled (the
+replayed output is always the recorded one), so absolute figures read a little
+high; comparisons between versions of the chooser are what it is for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import workloads
+
+from edgespec.controller import CALIBRATION_BATCHES, CONFIDENCE_Z, Costs, CostTracker
+from edgespec.proposers.auto import AutoProposer
+from edgespec.proposers.ngram import NgramProposer
+
+# t(B)/t(1) measured on this 2-core machine at 50-1600 tokens of context, rounded (README).
+DEFAULT_CURVE = "1,1.5,1.9,3.6,4.7,8.5,13.8"
+
+
+def record(args: argparse.Namespace) -> None:
+    from edgespec import Engine, GenerationConfig, LoadConfig
+
+    engine = Engine(args.model, proposer="none", load=LoadConfig(n_ctx=4096, n_threads=args.threads))
+    traces = []
+    for category, text in workloads.spec_bench(args.per_category) + workloads.code_edits(args.code_edits):
+        prompt = engine.chat_tokens([{"role": "user", "content": text}])
+        out = engine.generate(prompt, GenerationConfig(max_tokens=args.max_tokens))
+        traces.append({"category": category, "prompt": list(prompt), "output": list(out.tokens)})
+        print(f"{category}: {len(prompt)} prompt tokens, {len(out.tokens)} generated", file=sys.stderr)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(traces))
+
+
+def replay_one(prompt: list[int], out: list[int], curve: dict[int, float], proposer: AutoProposer | None) -> float:
+    """Cost in single steps of generating `out` after `prompt`; the oracle when `proposer` is None."""
+    lookup = NgramProposer(lambda t: False)
+    committed = prompt + out[:1]
+    (proposer or lookup).begin(committed, None, None)
+    pos, cost = 1, 0.0
+    while pos < len(out):
+        k = min(max(curve) - 1, len(out) - pos - 1)  # the engine also stops drafting at max_tokens
+        draft = (proposer or lookup).propose(committed, k).tokens[:k] if k > 0 else []
+        n = 0
+        while n < len(draft) and draft[n] == out[pos + n]:
+            n += 1
+        if proposer is None:  # the oracle: the batch size with the most committed tokens per step
+            b = max((b for b in curve if b <= k + 1), key=lambda b: (min(b - 1, n) + 1) / curve[b])
+            n = min(b - 1, n)
+        else:
+            b = len(draft) + 1
+            proposer.cost_tracker.observe(b, curve[b])
+            if k > 0:
+                proposer.accept(n)
+        cost += curve[b]
+        committed = committed + out[pos : pos + n + 1]
+        pos += n + 1
+    return cost
+
+
+def replay(args: argparse.Namespace) -> None:
+    curve = dict(zip(CALIBRATION_BATCHES, (float(x) for x in args.curve.split(","))))
+    calibrated = [float(x) for x in (args.calibrated or args.curve).split(",")]
+    costs = Costs(tuple(curve), tuple(calibrated))
+    traces = json.loads(args.traces.read_text())
+    # One proposer for all prompts, as in the benchmark: its estimates carry over between requests.
+    auto = AutoProposer(NgramProposer(lambda t: False), None, CostTracker(costs))
+    auto.confidence_z = args.z
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # tokens, auto steps, oracle steps
+    for tr in traces:
+        out = tr["output"][: args.max_tokens]
+        t = totals[tr["category"]]
+        t[0] += len(out) - 1
+        t[1] += replay_one(tr["prompt"], out, curve, auto)
+        t[2] += replay_one(tr["prompt"], out, curve, None)
+    print("| category | auto ÷ plain | oracle ÷ plain |\n|---|---:|---:|")
+    for cat, (n, steps, oracle) in totals.items():
+        print(f"| {cat} | {n / steps:.2f}× | {n / oracle:.2f}× |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record")
+    rec.add_argument("--model", default="qwen2.5-coder-1.5b")
+    rec.add_argument("--per-category", type=int, default=5)
+    rec.add_argument("--code-edits", type=int, default=8)
+    rec.add_argument("--max-tokens", type=int, default=160)
+    rec.add_argument("--threads", type=int, default=2)
+    rec.add_argument("--out", type=Path, default=Path("bench-results/traces.json"))
+    rep = sub.add_parser("replay")
+    rep.add_argument("traces", type=Path)
+    rep.add_argument("--curve", default=DEFAULT_CURVE, help="t(B)/t(1) for B = 1, 2, 4, 8, 16, 32, 64")
+    rep.add_argument("--calibrated", help="the curve auto starts from (default: --curve)")
+    rep.add_argument("--z", type=float, default=CONFIDENCE_Z, help="confidence gate; 0 turns it off")
+    rep.add_argument("--max-tokens", type=int, default=128)
+    args = ap.parse_args()
+    record(args) if args.command == "record" else replay(args)
+
+
+if __name__ == "__main__":
+    main()

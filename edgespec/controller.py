@@ -143,19 +143,19 @@ def choose_k(costs: Costs, accept: Sequence[float], k_max: int, draft_cost_per_t
     plain step at those, else the answer is 0: k is sized by the mean, the bet
     is only made when it is likely to pay.
     """
+    def cycle_seconds(k: int) -> float:
+        return costs.verify_seconds(k + 1) + k * draft_cost_per_token + fixed_cost
+
     plain = 1.0 / costs.verify_seconds(1)
     best_k, best_rate = 0, plain
     for k in costs.candidate_ks:
         if k == 0 or k > min(k_max, len(accept)):
             continue
-        rate = expected_tokens(accept, k) / (costs.verify_seconds(k + 1) + k * draft_cost_per_token + fixed_cost)
+        rate = expected_tokens(accept, k) / cycle_seconds(k)
         if rate > best_rate:
             best_k, best_rate = k, rate
-    if best_k and accept_low is not None:
-        low = expected_tokens(accept_low, best_k) / (costs.verify_seconds(best_k + 1) + best_k * draft_cost_per_token
-                                                     + fixed_cost)
-        if low <= plain:
-            return 0, plain
+    if best_k and accept_low is not None and expected_tokens(accept_low, best_k) / cycle_seconds(best_k) <= plain:
+        return 0, plain
     return best_k, best_rate
 
 

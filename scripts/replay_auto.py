@@ -8,9 +8,9 @@ decoding. `replay` feeds each output, cycle by cycle, through the real
 AutoProposer: what it proposes is accepted as far as it matches the recorded
 output, and every cycle is charged t(B) from a curve in single steps (B = 1, 2,
 4, ..., 64); `auto` starts from the `--calibrated` curve (by default the
-same) and corrects it from the charged passes, as it does live. It also prints an oracle that knows how far each lookup proposal
-will be accepted and takes the best batch size for it: the ceiling for this
-proposer. Kernel flips under batched verification are not modelled (the
+same) and corrects it from the charged passes, as it does live. It also prints
+an oracle that knows how far each lookup proposal will be accepted and takes
+the best batch size for it: the ceiling for this proposer. Kernel flips under batched verification are not modelled (the
 replayed output is always the recorded one), so absolute figures read a little
 high; comparisons between versions of the chooser are what it is for.
 """
@@ -49,13 +49,13 @@ def record(args: argparse.Namespace) -> None:
 
 def replay_one(prompt: list[int], out: list[int], curve: dict[int, float], proposer: AutoProposer | None) -> float:
     """Cost in single steps of generating `out` after `prompt`; the oracle when `proposer` is None."""
-    lookup = NgramProposer(lambda t: False)
+    source = proposer if proposer is not None else NgramProposer(lambda t: False)
     committed = prompt + out[:1]
-    (proposer or lookup).begin(committed, None, None)
+    source.begin(committed, None, None)
     pos, cost = 1, 0.0
     while pos < len(out):
         k = min(max(curve) - 1, len(out) - pos - 1)  # the engine also stops drafting at max_tokens
-        draft = (proposer or lookup).propose(committed, k).tokens[:k] if k > 0 else []
+        draft = source.propose(committed, k).tokens[:k] if k > 0 else []
         n = 0
         while n < len(draft) and draft[n] == out[pos + n]:
             n += 1

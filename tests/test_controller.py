@@ -40,10 +40,20 @@ def test_batches_of_32_and_64_only_for_matches_that_almost_never_fail():
 def test_a_bet_must_pay_at_the_pessimistic_estimates_too():
     # 0.7 per token: two drafts give 2.19 tokens for 2.00 singles (1.095), the best k by the mean
     assert choose_k(CPU, [0.7] * 15, 15) == (2, pytest.approx(2.19 / 2.00))
-    # one standard error lower, 0.6: 1.96 tokens for 2.00 singles loses to a plain step
-    assert choose_k(CPU, [0.7] * 15, 15, accept_low=[0.6] * 15) == (0, 1.0)
+    # one standard error lower, 0.6: two drafts give 1.96 tokens for 2.00 singles, one gives 1.6 for 1.59
+    assert choose_k(CPU, [0.7] * 15, 15, accept_low=[0.6] * 15) == (1, pytest.approx(1.7 / 1.59))
+    # at 0.55 no k pays (one draft: 1.55 for 1.59): a plain step
+    assert choose_k(CPU, [0.7] * 15, 15, accept_low=[0.55] * 15) == (0, 1.0)
     # at 0.65 it still pays (2.0725 for 2.00), and k stays the mean's choice
     assert choose_k(CPU, [0.7] * 15, 15, accept_low=[0.65] * 15)[0] == 2
+
+
+def test_the_best_bet_among_those_that_pay_at_the_pessimistic_estimates():
+    # the mean alone, 0.95 per token, takes 15 drafts
+    assert choose_k(CPU, [0.95] * 15, 15)[0] == 15
+    # at 0.8 the 15 drafts give 4.86 tokens for 4.93 singles and 7 give 4.16 for 4.30: both lose;
+    # 3 drafts (2.95 for 2.51 at 0.8) still pay, and by the mean they give 3.71 for 2.51
+    assert choose_k(CPU, [0.95] * 15, 15, accept_low=[0.8] * 15) == (3, pytest.approx(3.7099 / 2.51, rel=1e-4))
 
 
 def test_lower_estimate_narrows_with_consistent_evidence():

@@ -10,9 +10,10 @@ output, and every cycle is charged t(B) from a curve in single steps (B = 1, 2,
 4, ..., 64); `auto` starts from the `--calibrated` curve (by default the
 same) and corrects it from the charged passes, as it does live. It also prints
 an oracle that knows how far each lookup proposal will be accepted and takes
-the best batch size for it: the ceiling for this proposer. Kernel flips under batched verification are not modelled (the
-replayed output is always the recorded one), so absolute figures read a little
-high; comparisons between versions of the chooser are what it is for.
+the best batch size for it: the ceiling for this proposer. Kernel flips under
+batched verification are not modelled (the replayed output is always the
+recorded one), so absolute figures read a little high; comparisons between
+versions of the chooser are what it is for.
 """
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
 """Speculative decoding speed and acceptance, side by side with plain decoding in one run.
 
-For every prompt all modes run back to back (prompt-major order), `--repeats`
-times with the order reversed each time (none, auto, auto, none), so machine
-noise and drift hit every mode alike; per category the script reports decode
-tok/s (tokens after the first, over decode time, summed over prompts and
-repeats), its ratio to plain decoding in the same run, and acceptance. Greedy,
-as Spec-Bench is usually reported. llama.cpp's decoders do not stop at the
-requested length, so on the code-editing set auto is also run for as many
-tokens as each of them decoded and compared at equal length.
+For every prompt all modes generate in lockstep, one cycle at a time with the
+mode furthest behind going next, each timed over its own cycles only, so a slow
+spell of this shared machine falls on every mode at the same point of the answer
+(timing whole runs one after another, the same plain run varied by 10% or more
+here); `--whole-runs` times whole runs instead. This is repeated `--repeats`
+times. Per category the script reports decode tok/s (tokens after the first,
+over decode time, summed over prompts and repeats), its ratio to plain decoding
+in the same run, and acceptance. Greedy, as Spec-Bench is usually reported.
+llama.cpp's decoders run as subprocesses and do not stop at the requested
+length, so on the code-editing set each llama.cpp run is paired with a run of
+auto for as many tokens as it decoded, and the two are compared at equal length.
 
     python scripts/bench_spec.py --llama-cpp --plot
         # plain decoding and auto; llama.cpp's own n-gram speculation on the code-editing set
@@ -62,6 +65,8 @@ def main() -> None:
     ap.add_argument("--code-edits", type=int, default=8, help="prompts in the code-editing set")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--whole-runs", action="store_true",
+                    help="time each mode's whole run in turn instead of interleaving their cycles (lockstep)")
     ap.add_argument("--out", type=Path, default=Path("bench-results/spec.json"))
     args = ap.parse_args()
 
@@ -88,32 +93,41 @@ def main() -> None:
         messages = [{"role": "user", "content": text}]
         tokens = engines["none"].chat_tokens(messages)
         for rep in range(args.repeats):
-            for name, k in modes if rep % 2 == 0 else modes[::-1]:
-                engine = engines[name]
-                if k:
-                    engine.k = k
-                s = engine.generate(tokens, config).stats
+            order = modes if rep % 2 == 0 else modes[::-1]
+            if args.whole_runs:
+                timed = {}
+                for name, k in order:
+                    s = engine_for(engines, name, k).generate(tokens, config).stats
+                    timed[(name, k)] = (s, s.decode_seconds)
+            else:
+                timed = lockstep({(name, k): engine_for(engines, name, k) for name, k in order}, tokens, config)
+            for (name, k), (s, seconds) in timed.items():
                 rows.append({"category": category, "prompt": i, "repeat": rep, "mode": f"{name}:{k}" if k else name,
-                             "tokens": s.completion_tokens - 1, "seconds": s.decode_seconds, "drafted": s.drafted,
+                             "tokens": s.completion_tokens - 1, "seconds": seconds, "drafted": s.drafted,
                              "accepted": s.accepted, "cycles": s.cycles, "accepted_at": s.accepted_at,
                              "drafted_at": s.drafted_at, "by_proposer": s.cycles_by_proposer})
         if tool is not None and category == "code-edit":
             prompt_text = engines["none"].chat_text(messages)
-            lengths = {}
+            lengths: dict[str, int] = {}
             for rep in range(args.repeats):
                 for spec in LLAMA_CPP_MODES if rep % 2 == 0 else LLAMA_CPP_MODES[::-1]:
-                    n, secs, drafted, accepted = run_llama_cpp(tool, resolve(args.model), prompt_text, spec,
-                                                               args.max_tokens, args.threads)
-                    lengths.setdefault(spec, n)
-                    rows.append({"category": category, "prompt": i, "repeat": rep, "mode": f"llama.cpp {spec}",
-                                 "tokens": n, "seconds": secs, "drafted": drafted, "accepted": accepted, "cycles": 0})
-            # auto over as many tokens as llama.cpp decoded: the end of an edit is mostly copy, the cheapest part
-            for rep in range(args.repeats if "auto" in engines else 0):
-                for spec, n in lengths.items():
-                    s = engines["auto"].generate(tokens, GenerationConfig(max_tokens=n + 1)).stats
-                    rows.append({"category": category, "prompt": i, "repeat": rep, "mode": f"auto, {spec} length",
-                                 "tokens": s.completion_tokens - 1, "seconds": s.decode_seconds,
-                                 "drafted": s.drafted, "accepted": s.accepted, "cycles": s.cycles})
+                    # each llama.cpp run next to auto over as many tokens as llama.cpp decoded (the end of an
+                    # edit is mostly copy, the cheapest part), in alternating order; a subprocess cannot lockstep
+                    runs = ["llama.cpp", "auto"] if rep % 2 == 0 or spec not in lengths else ["auto", "llama.cpp"]
+                    for who in runs if "auto" in engines else ["llama.cpp"]:
+                        if who == "llama.cpp":
+                            n, secs, drafted, accepted = run_llama_cpp(tool, resolve(args.model), prompt_text, spec,
+                                                                       args.max_tokens, args.threads)
+                            lengths.setdefault(spec, n)
+                            rows.append({"category": category, "prompt": i, "repeat": rep,
+                                         "mode": f"llama.cpp {spec}", "tokens": n, "seconds": secs,
+                                         "drafted": drafted, "accepted": accepted, "cycles": 0})
+                        else:
+                            s = engines["auto"].generate(tokens, GenerationConfig(max_tokens=lengths[spec] + 1)).stats
+                            rows.append({"category": category, "prompt": i, "repeat": rep,
+                                         "mode": f"auto, {spec} length", "tokens": s.completion_tokens - 1,
+                                         "seconds": s.decode_seconds, "drafted": s.drafted, "accepted": s.accepted,
+                                         "cycles": s.cycles})
         print(f"[{i + 1}/{len(prompts)}] {category} done, {time.time() - t_start:.0f}s", file=sys.stderr)
 
     mode_names = [f"{n}:{k}" if k else n for n, k in modes]
@@ -128,6 +142,34 @@ def main() -> None:
     args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
     if args.plot:
         plot(rows, mode_names, args.out.with_suffix(".png"))
+
+
+def engine_for(engines: dict[str, Engine], name: str, k: int) -> Engine:
+    if k:
+        engines[name].k = k
+    return engines[name]
+
+
+def lockstep(engines: dict, tokens: list[int], config: GenerationConfig) -> dict:
+    """Generate with every engine at once, one cycle at a time, the one furthest behind next.
+
+    Each engine's decode time is the sum of its own cycles, so a slow spell of the machine
+    (other tenants, frequency) falls on all of them at the same positions of the answer
+    instead of on whichever whole run it hit. Returns {key: (stats, decode seconds)}.
+    """
+    streams = {key: e.stream(tokens, config) for key, e in engines.items()}
+    done, made, seconds = {}, {}, dict.fromkeys(streams, 0.0)
+    for key, stream in streams.items():
+        made[key] = len(next(stream).tokens)  # prefill and the first token: not decode time
+    while len(done) < len(streams):
+        key = min((k for k in streams if k not in done), key=lambda k: made[k])
+        t = time.perf_counter()
+        chunk = next(streams[key])
+        seconds[key] += time.perf_counter() - t
+        made[key] += len(chunk.tokens)
+        if chunk.stats is not None:
+            done[key] = (chunk.stats, seconds[key])
+    return {key: done[key] for key in engines}
 
 
 def run_llama_cpp(tool: Path, model: Path, prompt: str, spec: str, n: int, threads: int):

@@ -46,6 +46,9 @@ DRAFT_ACCEPT_CEILING = 0.9
 # is one short measurement, and a draft that would gain 5% gains nothing after its noise.
 DRAFT_MIN_GAIN = 1.1
 COST_DECAY = 0.8  # weight of the past per observed pass: costs follow the context within a few passes
+# Per pass of another size, a size's own scale keeps this weight against the next smaller size's: one
+# dear pass of 32 (a deep context, a busy spell) otherwise kept 32 and 64 untried for the rest of the run.
+COST_STALE_DECAY = 0.98
 CACHE_VERSION = 6
 
 
@@ -79,31 +82,35 @@ class CostTracker:
     Calibration happens once at an empty context on an idle machine; a deep
     context or a busy machine makes passes dearer, and not by the same factor
     for every batch size. Each observed pass moves the scale of its batch size;
-    a size not observed yet borrows the scale of the nearest smaller one that was.
+    a size not observed yet borrows the scale of the nearest smaller one that was,
+    and a size not observed lately drifts back towards it, since a size judged
+    too dear is never run and so never corrected by its own passes.
     """
 
-    def __init__(self, calibrated: Costs, decay: float = COST_DECAY) -> None:
-        self.calibrated, self.decay = calibrated, decay
+    def __init__(self, calibrated: Costs, decay: float = COST_DECAY, stale_decay: float = COST_STALE_DECAY) -> None:
+        self.calibrated, self.decay, self.stale_decay = calibrated, decay, stale_decay
         self._scale: dict[int, float] = {}  # batch size -> observed / calibrated; 0 is the draft per token
         self.costs = calibrated
 
     def observe(self, batch: int, seconds: float) -> None:
         """A target pass of `batch` tokens took `seconds`."""
         if batch in self.calibrated.batches:
-            self._update(batch, seconds / self.calibrated.verify_seconds(batch))
+            self._update(batch, seconds / self.calibrated.verify_seconds(batch), relax=True)
 
     def observe_draft(self, seconds_per_token: float) -> None:
         """The draft proposed at `seconds_per_token`, sampling included."""
         if self.calibrated.draft_seconds_per_token:
             self._update(0, seconds_per_token / self.calibrated.draft_seconds_per_token)
 
-    def _update(self, key: int, ratio: float) -> None:
+    def _update(self, key: int, ratio: float, relax: bool = False) -> None:
         old = self._scale.get(key)
         # One stalled pass (a page fault, another process) moves the scale at most 2x.
         self._scale[key] = ratio if old is None else self.decay * old + (1 - self.decay) * min(max(ratio, old / 2),
                                                                                                old * 2)
         scales, last = [], 1.0
         for b in self.calibrated.batches:
+            if relax and b != key and b in self._scale and scales:
+                self._scale[b] = self.stale_decay * self._scale[b] + (1 - self.stale_decay) * last
             last = self._scale.get(b, last)
             scales.append(last)
         c = self.calibrated

@@ -122,6 +122,24 @@ def test_cost_tracker_follows_observed_passes():
     assert ct.costs.batches == (1, 2, 4)
 
 
+def test_a_size_not_run_lately_drifts_back_to_the_smaller_sizes_scale():
+    cal = Costs((1, 2, 4), (0.10, 0.15, 0.20))
+    ct = CostTracker(cal, decay=0.5, stale_decay=0.5)
+    ct.observe(4, 0.40)  # one dear pass of 4: twice its calibration
+    ct.observe(1, 0.10)  # then only plain steps, at calibration
+    assert ct.costs.target_seconds == pytest.approx((0.10, 0.15, 0.20 * (0.5 * 2.0 + 0.5 * 1.0)))
+    ct.observe(1, 0.10)
+    assert ct.costs.target_seconds[2] == pytest.approx(0.20 * 1.25)
+    ct.observe(4, 0.20)  # its own pass moves it by `decay`, not by the drift
+    assert ct.costs.target_seconds[2] == pytest.approx(0.20 * (0.5 * 1.25 + 0.5 * 1.0))
+    # with the default drift a lone dear pass of 4 has lost half its excess after 34 passes of 1
+    ct = CostTracker(cal)
+    ct.observe(4, 0.40)
+    for _ in range(34):
+        ct.observe(1, 0.10)
+    assert 1.45 < ct.costs.target_seconds[2] / 0.20 < 1.55
+
+
 def test_an_idle_draft_pays_for_catching_up():
     costs = Costs(GPU.batches, GPU.target_seconds, 0.3)
     # the draft's batch of n is priced on the target's curve: 8 tokens at 1.10/1.00 of one step

@@ -72,16 +72,15 @@ def main() -> None:
 
     modes = parse_modes(args.modes)
     load = LoadConfig(n_ctx=4096, n_threads=args.threads)
-    names = {name for name, _ in modes}
-    engines = {"none": Engine(args.model, proposer="none", load=load)}
-    if "ngram" in names:
-        engines["ngram"] = Engine(args.model, proposer="ngram", load=load)
-    if "draft" in names:
-        engines["draft"] = Engine(args.model, draft=args.draft, proposer="draft", load=load)
-    if "auto" in names:
-        engines["auto"] = Engine(args.model, draft=args.draft, load=load)
-        for note in engines["auto"].notes:
-            print(f"auto: {note}", file=sys.stderr)
+    if ("none", 0) not in modes:
+        modes.insert(0, ("none", 0))  # the baseline of every ratio
+    kinds = {"none": {"proposer": "none"}, "ngram": {"proposer": "ngram"},
+             "draft": {"draft": args.draft, "proposer": "draft"}, "auto": {"draft": args.draft}}
+    # One engine per mode: modes in lockstep cannot share one (an engine runs one generation at a time).
+    by_mode = {(name, k): Engine(args.model, k=k or None, load=load, **kinds[name]) for name, k in modes}
+    engines = {name: by_mode[(name, k)] for name, k in modes if k == 0}
+    for note in engines["auto"].notes if "auto" in engines else ():
+        print(f"auto: {note}", file=sys.stderr)
     tool = llama_tools.tool("llama-speculative-simple", build=True) if args.llama_cpp else None
     prompts = workloads.spec_bench(args.per_category) + workloads.code_edits(args.code_edits)
     config = GenerationConfig(max_tokens=args.max_tokens)
@@ -97,10 +96,10 @@ def main() -> None:
             if args.whole_runs:
                 timed = {}
                 for name, k in order:
-                    s = engine_for(engines, name, k).generate(tokens, config).stats
+                    s = by_mode[(name, k)].generate(tokens, config).stats
                     timed[(name, k)] = (s, s.decode_seconds)
             else:
-                timed = lockstep({(name, k): engine_for(engines, name, k) for name, k in order}, tokens, config)
+                timed = lockstep({mode: by_mode[mode] for mode in order}, tokens, config)
             for (name, k), (s, seconds) in timed.items():
                 rows.append({"category": category, "prompt": i, "repeat": rep, "mode": f"{name}:{k}" if k else name,
                              "tokens": s.completion_tokens - 1, "seconds": seconds, "drafted": s.drafted,
@@ -142,12 +141,6 @@ def main() -> None:
     args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
     if args.plot:
         plot(rows, mode_names, args.out.with_suffix(".png"))
-
-
-def engine_for(engines: dict[str, Engine], name: str, k: int) -> Engine:
-    if k:
-        engines[name].k = k
-    return engines[name]
 
 
 def lockstep(engines: dict, tokens: list[int], config: GenerationConfig) -> dict:

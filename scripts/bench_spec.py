@@ -78,8 +78,8 @@ def main() -> None:
              "draft": {"draft": args.draft, "proposer": "draft"}, "auto": {"draft": args.draft}}
     # One engine per mode: modes in lockstep cannot share one (an engine runs one generation at a time).
     by_mode = {(name, k): Engine(args.model, k=k or None, load=load, **kinds[name]) for name, k in modes}
-    engines = {name: by_mode[(name, k)] for name, k in modes if k == 0}
-    for note in engines["auto"].notes if "auto" in engines else ():
+    plain, auto = by_mode[("none", 0)], by_mode.get(("auto", 0))
+    for note in auto.notes if auto is not None else ():
         print(f"auto: {note}", file=sys.stderr)
     tool = llama_tools.tool("llama-speculative-simple", build=True) if args.llama_cpp else None
     prompts = workloads.spec_bench(args.per_category) + workloads.code_edits(args.code_edits)
@@ -90,7 +90,7 @@ def main() -> None:
     for i, (category, text) in enumerate(prompts):
         # every engine loads the same target, so the templated prompt is the same for all
         messages = [{"role": "user", "content": text}]
-        tokens = engines["none"].chat_tokens(messages)
+        tokens = plain.chat_tokens(messages)
         for rep in range(args.repeats):
             order = modes if rep % 2 == 0 else modes[::-1]
             if args.whole_runs:
@@ -101,19 +101,16 @@ def main() -> None:
             else:
                 timed = lockstep({mode: by_mode[mode] for mode in order}, tokens, config)
             for (name, k), (s, seconds) in timed.items():
-                rows.append({"category": category, "prompt": i, "repeat": rep, "mode": f"{name}:{k}" if k else name,
-                             "tokens": s.completion_tokens - 1, "seconds": seconds, "drafted": s.drafted,
-                             "accepted": s.accepted, "cycles": s.cycles, "accepted_at": s.accepted_at,
-                             "drafted_at": s.drafted_at, "by_proposer": s.cycles_by_proposer})
+                rows.append(stats_row(category, i, rep, f"{name}:{k}" if k else name, s, seconds))
         if tool is not None and category == "code-edit":
-            prompt_text = engines["none"].chat_text(messages)
+            prompt_text = plain.chat_text(messages)
             lengths: dict[str, int] = {}
             for rep in range(args.repeats):
                 for spec in LLAMA_CPP_MODES if rep % 2 == 0 else LLAMA_CPP_MODES[::-1]:
                     # each llama.cpp run next to auto over as many tokens as llama.cpp decoded (the end of an
                     # edit is mostly copy, the cheapest part), in alternating order; a subprocess cannot lockstep
                     runs = ["llama.cpp", "auto"] if rep % 2 == 0 or spec not in lengths else ["auto", "llama.cpp"]
-                    for who in runs if "auto" in engines else ["llama.cpp"]:
+                    for who in runs if auto is not None else ["llama.cpp"]:
                         if who == "llama.cpp":
                             n, secs, drafted, accepted = run_llama_cpp(tool, resolve(args.model), prompt_text, spec,
                                                                        args.max_tokens, args.threads)
@@ -122,11 +119,8 @@ def main() -> None:
                                          "mode": f"llama.cpp {spec}", "tokens": n, "seconds": secs,
                                          "drafted": drafted, "accepted": accepted, "cycles": 0})
                         else:
-                            s = engines["auto"].generate(tokens, GenerationConfig(max_tokens=lengths[spec] + 1)).stats
-                            rows.append({"category": category, "prompt": i, "repeat": rep,
-                                         "mode": f"auto, {spec} length", "tokens": s.completion_tokens - 1,
-                                         "seconds": s.decode_seconds, "drafted": s.drafted, "accepted": s.accepted,
-                                         "cycles": s.cycles})
+                            s = auto.generate(tokens, GenerationConfig(max_tokens=lengths[spec] + 1)).stats
+                            rows.append(stats_row(category, i, rep, f"auto, {spec} length", s, s.decode_seconds))
         print(f"[{i + 1}/{len(prompts)}] {category} done, {time.time() - t_start:.0f}s", file=sys.stderr)
 
     mode_names = [f"{n}:{k}" if k else n for n, k in modes]
@@ -141,6 +135,12 @@ def main() -> None:
     args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
     if args.plot:
         plot(rows, mode_names, args.out.with_suffix(".png"))
+
+
+def stats_row(category: str, prompt: int, repeat: int, mode: str, s, seconds: float) -> dict:
+    return {"category": category, "prompt": prompt, "repeat": repeat, "mode": mode, "tokens": s.completion_tokens - 1,
+            "seconds": seconds, "drafted": s.drafted, "accepted": s.accepted, "cycles": s.cycles,
+            "accepted_at": s.accepted_at, "drafted_at": s.drafted_at, "by_proposer": s.cycles_by_proposer}
 
 
 def lockstep(engines: dict, tokens: list[int], config: GenerationConfig) -> dict:

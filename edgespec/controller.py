@@ -80,16 +80,19 @@ class CostTracker:
     """The calibrated costs, corrected by every target pass actually run.
 
     Calibration happens once at an empty context on an idle machine; a deep
-    context or a busy machine makes passes dearer, and not by the same factor
-    for every batch size. Each observed pass moves the scale of its batch size;
-    a size not observed yet borrows the scale of the nearest smaller one that was,
-    and a size not observed lately drifts back towards it, since a size judged
-    too dear is never run and so never corrected by its own passes.
+    context or a busy machine makes passes dearer. Load from elsewhere slows
+    every pass alike, and shows first in the plain steps, which run most often:
+    so the smallest size's scale is the load, and every other size's (and the
+    draft's) is kept relative to it. Each observed pass moves the scale of its
+    size; a size not observed yet borrows the scale of the nearest smaller one
+    that was, and a size not observed lately drifts back towards it, since a
+    size judged too dear is never run and so never corrected by its own passes.
     """
 
     def __init__(self, calibrated: Costs, decay: float = COST_DECAY, stale_decay: float = COST_STALE_DECAY) -> None:
         self.calibrated, self.decay, self.stale_decay = calibrated, decay, stale_decay
-        self._scale: dict[int, float] = {}  # batch size -> observed / calibrated; 0 is the draft per token
+        # batch size -> observed / calibrated, relative to the smallest size's except for that one; 0 is the draft
+        self._scale: dict[int, float] = {}
         self.costs = calibrated
 
     def observe(self, batch: int, seconds: float) -> None:
@@ -103,18 +106,22 @@ class CostTracker:
             self._update(0, seconds_per_token / self.calibrated.draft_seconds_per_token)
 
     def _update(self, key: int, ratio: float, relax: bool = False) -> None:
+        smallest = self.calibrated.batches[0]
+        if key != smallest:
+            ratio /= self._scale.get(smallest, 1.0)
         old = self._scale.get(key)
         # One stalled pass (a page fault, another process) moves the scale at most 2x.
         self._scale[key] = ratio if old is None else self.decay * old + (1 - self.decay) * min(max(ratio, old / 2),
                                                                                                old * 2)
-        scales, last = [], 1.0
-        for b in self.calibrated.batches:
-            if relax and b != key and b in self._scale and scales:
+        load = self._scale.get(smallest, 1.0)
+        scales, last = [load], 1.0
+        for b in self.calibrated.batches[1:]:
+            if relax and b != key and b in self._scale:
                 self._scale[b] = self.stale_decay * self._scale[b] + (1 - self.stale_decay) * last
             last = self._scale.get(b, last)
-            scales.append(last)
+            scales.append(load * last)
         c = self.calibrated
-        draft = c.draft_seconds_per_token * self._scale.get(0, 1.0) if c.draft_seconds_per_token else None
+        draft = c.draft_seconds_per_token * load * self._scale.get(0, 1.0) if c.draft_seconds_per_token else None
         self.costs = Costs(c.batches, tuple(t * s for t, s in zip(c.target_seconds, scales)), draft)
 
 

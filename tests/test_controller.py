@@ -122,6 +122,20 @@ def test_cost_tracker_follows_observed_passes():
     assert ct.costs.batches == (1, 2, 4)
 
 
+def test_load_seen_in_plain_steps_moves_every_sizes_price():
+    cal = Costs((1, 2, 4), (0.10, 0.15, 0.20), 0.05)
+    ct = CostTracker(cal, decay=0.5, stale_decay=1.0)
+    ct.observe(4, 0.20)
+    ct.observe(1, 0.15)  # the machine gets busy: plain steps cost 1.5x
+    # a bet of 3 still costs 2 plain steps, not 1.33 as it would if 4 kept its idle price
+    assert ct.costs.target_seconds == pytest.approx((0.15, 0.225, 0.30))
+    assert ct.costs.draft_seconds_per_token == pytest.approx(0.075)
+    ct.observe(4, 0.30)  # a pass of 4 at that load confirms its price
+    assert ct.costs.target_seconds[2] == pytest.approx(0.30)
+    ct.observe(4, 0.45)  # dearer than the load explains: a deep context makes big batches dearer
+    assert ct.costs.target_seconds == pytest.approx((0.15, 0.225, 0.20 * 1.5 * (0.5 * 1.0 + 0.5 * 1.5)))
+
+
 def test_a_size_not_run_lately_drifts_back_to_the_smaller_sizes_scale():
     cal = Costs((1, 2, 4), (0.10, 0.15, 0.20))
     ct = CostTracker(cal, decay=0.5, stale_decay=0.5)
@@ -164,3 +178,5 @@ def test_cost_tracker_follows_the_draft():
     ct.observe_draft(0.06)
     assert ct.costs.draft_seconds_per_token == pytest.approx(0.06)
     assert ct.costs.target_seconds == (0.10, 0.15)
+    ct.observe(1, 0.12)  # load slows the draft as much as the target
+    assert ct.costs.draft_seconds_per_token == pytest.approx(0.072)

@@ -8,7 +8,9 @@ decoding. `replay` feeds each output, cycle by cycle, through the real
 AutoProposer: what it proposes is accepted as far as it matches the recorded
 output, and every cycle is charged t(B) from a curve in single steps (B = 1, 2,
 4, ..., 64); `auto` starts from the `--calibrated` curve (by default the
-same) and corrects it from the charged passes, as it does live. It also prints
+same) and corrects it from the charged passes, as it does live; with `--load F
+--spell N` the passes it sees cost F times as much in every other spell of N
+passes (load from elsewhere), while the cost reported stays the curve's. It also prints
 an oracle that knows how far each lookup proposal will be accepted and takes
 the best batch size for it: the ceiling for this proposer. Kernel flips under
 batched verification are not modelled (the replayed output is always the
@@ -19,10 +21,12 @@ versions of the chooser are what it is for.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import Callable
 
 import workloads
 
@@ -48,7 +52,8 @@ def record(args: argparse.Namespace) -> None:
     args.out.write_text(json.dumps(traces))
 
 
-def replay_one(prompt: list[int], out: list[int], curve: dict[int, float], proposer: AutoProposer | None) -> float:
+def replay_one(prompt: list[int], out: list[int], curve: dict[int, float], proposer: AutoProposer | None,
+               load: Callable[[], float] = lambda: 1.0) -> float:
     """Cost in single steps of generating `out` after `prompt`; the oracle when `proposer` is None."""
     source = proposer if proposer is not None else NgramProposer(lambda t: False)
     committed = prompt + out[:1]
@@ -65,7 +70,7 @@ def replay_one(prompt: list[int], out: list[int], curve: dict[int, float], propo
             n = min(b - 1, n)
         else:
             b = len(draft) + 1
-            proposer.cost_tracker.observe(b, curve[b])
+            proposer.cost_tracker.observe(b, curve[b] * load())
             if k > 0:
                 proposer.accept(n)
         cost += curve[b]
@@ -82,12 +87,14 @@ def replay(args: argparse.Namespace) -> None:
     # One proposer for all prompts, as in the benchmark: its estimates carry over between requests.
     auto = AutoProposer(NgramProposer(lambda t: False), None, CostTracker(costs))
     auto.confidence_z = args.z
+    passes = itertools.count()
+    load = lambda: args.load if (next(passes) // args.spell) % 2 else 1.0  # noqa: E731
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # tokens, auto steps, oracle steps
     for tr in traces:
         out = tr["output"][: args.max_tokens]
         t = totals[tr["category"]]
         t[0] += len(out) - 1
-        t[1] += replay_one(tr["prompt"], out, curve, auto)
+        t[1] += replay_one(tr["prompt"], out, curve, auto, load)
         t[2] += replay_one(tr["prompt"], out, curve, None)
     print("| category | auto ÷ plain | oracle ÷ plain |\n|---|---:|---:|")
     for cat, (n, steps, oracle) in totals.items():
@@ -110,6 +117,8 @@ def main() -> None:
     rep.add_argument("--calibrated", help="the curve auto starts from (default: --curve)")
     rep.add_argument("--z", type=float, default=CONFIDENCE_Z, help="confidence gate; 0 turns it off")
     rep.add_argument("--max-tokens", type=int, default=128)
+    rep.add_argument("--load", type=float, default=1.0, help="cost factor auto sees in every other spell")
+    rep.add_argument("--spell", type=int, default=50, help="passes per spell of --load")
     args = ap.parse_args()
     record(args) if args.command == "record" else replay(args)
 

@@ -10,8 +10,8 @@ output, and every cycle is charged t(B) from a curve in single steps (B = 1, 2,
 4, ..., 64); `auto` starts from the `--calibrated` curve (by default the
 same) and corrects it from the charged passes, as it does live; with `--load F
 --spell N` the passes it sees cost F times as much in every other spell of N
-passes (load from elsewhere), while the cost reported stays the curve's. It also prints
-an oracle that knows how far each lookup proposal will be accepted and takes
+passes (load from elsewhere), while the cost reported stays the curve's. It
+also prints an oracle that knows how far each lookup proposal will be accepted and takes
 the best batch size for it: the ceiling for this proposer. Kernel flips under
 batched verification are not modelled (the replayed output is always the
 recorded one), so absolute figures read a little high; comparisons between
@@ -88,7 +88,10 @@ def replay(args: argparse.Namespace) -> None:
     auto = AutoProposer(NgramProposer(lambda t: False), None, CostTracker(costs))
     auto.confidence_z = args.z
     passes = itertools.count()
-    load = lambda: args.load if (next(passes) // args.spell) % 2 else 1.0  # noqa: E731
+
+    def load() -> float:
+        return args.load if (next(passes) // args.spell) % 2 else 1.0
+
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # tokens, auto steps, oracle steps
     for tr in traces:
         out = tr["output"][: args.max_tokens]

@@ -98,14 +98,14 @@ class CostTracker:
     def observe(self, batch: int, seconds: float) -> None:
         """A target pass of `batch` tokens took `seconds`."""
         if batch in self.calibrated.batches:
-            self._update(batch, seconds / self.calibrated.verify_seconds(batch), relax=True)
+            self._update(batch, seconds / self.calibrated.verify_seconds(batch))
 
     def observe_draft(self, seconds_per_token: float) -> None:
         """The draft proposed at `seconds_per_token`, sampling included."""
         if self.calibrated.draft_seconds_per_token:
             self._update(0, seconds_per_token / self.calibrated.draft_seconds_per_token)
 
-    def _update(self, key: int, ratio: float, relax: bool = False) -> None:
+    def _update(self, key: int, ratio: float) -> None:
         smallest = self.calibrated.batches[0]
         if key != smallest:
             ratio /= self._scale.get(smallest, 1.0)
@@ -116,7 +116,8 @@ class CostTracker:
         load = self._scale.get(smallest, 1.0)
         scales, last = [load], 1.0
         for b in self.calibrated.batches[1:]:
-            if relax and b != key and b in self._scale:
+            # Only target passes age the other sizes: the draft's (key 0) say nothing about them.
+            if key and b != key and b in self._scale:
                 self._scale[b] = self.stale_decay * self._scale[b] + (1 - self.stale_decay) * last
             last = self._scale.get(b, last)
             scales.append(load * last)

@@ -11,8 +11,8 @@ output, and every cycle is charged t(B) from a curve in single steps (B = 1, 2,
 same) and corrects it from the charged passes, as it does live; with `--load F
 --spell N` the passes it sees cost F times as much in every other spell of N
 passes (load from elsewhere), while the cost reported stays the curve's. It
-also prints an oracle that knows how far each lookup proposal will be accepted and takes
-the best batch size for it: the ceiling for this proposer. Kernel flips under
+also prints an oracle that knows how far each lookup proposal will be accepted
+and takes the best batch size for it: the ceiling for this proposer. Kernel flips under
 batched verification are not modelled (the replayed output is always the
 recorded one), so absolute figures read a little high; comparisons between
 versions of the chooser are what it is for.

@@ -19,12 +19,15 @@ import numpy as np
 
 from edgespec.config import DEFAULT_N_CTX, LoadConfig
 from edgespec.errors import ContextOverflowError, EdgespecError, InvalidModelError, ModelNotFoundError, UnsupportedModelError
+from edgespec.text import to_utf8
 
 log = logging.getLogger(__name__)
 _llama_log = logging.getLogger("edgespec.llama_cpp")
 
 GGUF_MAGIC = b"GGUF"
 _SEQ = 0
+_FLASH_ATTN = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+               "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation; info is load chatter, so DEBUG here.
 _LEVELS = {3: logging.WARNING, 4: logging.ERROR}
 # llama.cpp's last error lines, quoted in our own error messages.
@@ -138,6 +141,7 @@ class Model:
             cparams.n_seq_max = 1
             cparams.n_threads = cparams.n_threads_batch = cfg.n_threads
             cparams.no_perf = True
+            cparams.flash_attn_type = _FLASH_ATTN[cfg.flash_attn]
             self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
             if not self._ctx:
                 raise EdgespecError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {path} "
@@ -262,7 +266,7 @@ class Model:
     # -- vocabulary ---------------------------------------------------------
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        data = text.encode("utf-8")
+        data = to_utf8(text)
         cap = len(data) + 8
         buf = (llama_cpp.llama_token * cap)()
         n = llama_cpp.llama_tokenize(self._vocab_p, data, len(data), buf, cap, add_special, parse_special)

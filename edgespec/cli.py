@@ -20,6 +20,7 @@ from edgespec.config import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
+    FLASH_ATTN,
     GenerationConfig,
     LoadConfig,
     SamplingConfig,
@@ -27,7 +28,7 @@ from edgespec.config import (
 )
 from edgespec.budget import parse_size
 from edgespec.errors import EdgespecError
-from edgespec.models import DEFAULT_MODEL, MODELS, PAIRS, cache_dir, cached_path
+from edgespec.models import DEFAULT_MODEL, MODELS, PAIRS, FetchProgress, cache_dir, cached_path
 from edgespec.models import fetch as fetch_model
 from edgespec.models import remove as remove_model
 from edgespec.models.store import SOURCES
@@ -86,6 +87,8 @@ _engine_options = _options(
     click.option("--threads", type=int, default=None, help="CPU threads [default: physical cores]."),
     click.option("--ctx", "n_ctx", type=int, default=None,
                  help=f"Context size in tokens [default: up to {DEFAULT_N_CTX}, as the memory plan allows]."),
+    click.option("--flash-attn", type=click.Choice(FLASH_ATTN), default="auto", show_default=True,
+                 help="llama.cpp's flash attention (auto: on where the backend has it)."),
     click.option("-q", "--quiet", is_flag=True, help="No progress, notes or stats on stderr."),
     _source_option,
 )
@@ -106,6 +109,38 @@ def _generation_config(o: dict[str, Any]) -> GenerationConfig:
         temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"], seed=o["seed"]))
 
 
+class _FetchBar:
+    """Renders fetch progress on stderr: one bar per model, its label counting the parts."""
+
+    def __init__(self) -> None:
+        self.bar: Any = None
+        self.model: str | None = None
+
+    def __call__(self, p: FetchProgress) -> None:
+        if p.stage == "wait":
+            click.echo(click.style(f"another edgespec process is fetching {p.model}; waiting for it …", dim=True),
+                       err=True)
+            return
+        if self.bar is None or self.model != p.model:
+            self.close()
+            self.bar, self.model = click.progressbar(length=p.total, label=p.model, file=sys.stderr), p.model
+            self.bar.__enter__()
+        self.bar.label = f"{p.model} part {min(p.part + 1, p.parts)}/{p.parts}" if p.stage == "download" \
+            else f"{p.model} {'verifying' if p.stage == 'verify' else 'ready'}"
+        self.bar.update(p.done - self.bar.pos)
+        if p.stage == "done":
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
+
+
+def _progress(show: bool) -> _FetchBar | None:
+    return _FetchBar() if show else None
+
+
 def _open_engine(o: dict[str, Any]):
     """Load the engine the options describe, telling a person what happens unless --quiet."""
     from edgespec.engine import Engine
@@ -115,9 +150,10 @@ def _open_engine(o: dict[str, Any]):
         click.echo(click.style(f"loading {o['model']}" + (f" + {o['draft']}" if o["draft"] else "") + " …", dim=True),
                    err=True)
     engine = Engine(o["model"], draft=o["draft"], proposer=o["proposer"], k=o["k"],
-                    load=LoadConfig(n_ctx=o["n_ctx"], n_threads=o["threads"] or default_threads()),
+                    load=LoadConfig(n_ctx=o["n_ctx"], n_threads=default_threads() if o["threads"] is None
+                                    else o["threads"], flash_attn=o["flash_attn"]),
                     memory_budget=parse_size(o["memory_budget"]) if o["memory_budget"] else None,
-                    source=o["source"], progress=show)
+                    source=o["source"], progress=_progress(show))
     if show:
         for note in engine.notes:
             click.echo(click.style(f"note: {note}", fg="yellow"), err=True)
@@ -162,7 +198,8 @@ def generate(prompt: str | None, prompt_file: Path | None, chat: bool, as_json: 
     """Generate a completion for one prompt."""
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-file FILE")
-    text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8")  # type: ignore[union-attr]
+    # Invalid UTF-8 in a file reads as U+FFFD, as it does in --prompt (see text.to_utf8).
+    text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8", errors="replace")  # type: ignore[union-attr]
     config = _generation_config(o)
     with _open_engine(o) as engine:
         tokens = engine.chat_tokens([{"role": "user", "content": text}]) if chat else engine.tokenize(text)
@@ -181,10 +218,15 @@ def generate(prompt: str | None, prompt_file: Path | None, chat: bool, as_json: 
 @_errors
 def complete(prompt: str | None, **o: Any) -> None:
     """Raw completion of a prompt (from --prompt or stdin), no chat template: for scripts."""
-    text = prompt if prompt is not None else sys.stdin.read()
+    text = prompt if prompt is not None else _read_stdin()
     with _open_engine(o) as engine:
         _echo_stats(_print_stream(engine.stream(engine.tokenize(text), _generation_config(o), stop=o["stop"])),
                     o["quiet"])
+
+
+def _read_stdin() -> str:
+    """Standard input as text; invalid UTF-8 reads as U+FFFD, as in --prompt."""
+    return sys.stdin.buffer.read().decode("utf-8", "replace") if hasattr(sys.stdin, "buffer") else sys.stdin.read()
 
 
 CHAT_HELP = "/reset  forget the conversation   /stats  numbers of the last answer\n" \
@@ -207,12 +249,14 @@ def chat_cmd(system: str | None, interactive: bool | None, **o: Any) -> None:
     with _open_engine(o) as engine:
         session = ChatSession(engine, _generation_config(o), system=system, stop=o["stop"])
         if not (sys.stdin.isatty() if interactive is None else interactive):
-            text = sys.stdin.read().strip()
+            text = _read_stdin().strip()
             if text:
                 _answer(session, text, o["quiet"])
             return
         if not o["quiet"]:
             click.echo(click.style(CHAT_HELP, dim=True), err=True)
+        if hasattr(sys.stdin, "reconfigure"):
+            sys.stdin.reconfigure(errors="replace")  # an invalid byte typed or pasted reads as U+FFFD
         while True:
             try:
                 click.echo(click.style(">>> ", fg="green", bold=True), nl=False)
@@ -314,8 +358,8 @@ def plan_cmd(model: str, draft: str | None, n_ctx: int | None, k: int | None, me
     from edgespec.engine import memory_of
     from edgespec.models import resolve
 
-    facts = read_facts(resolve(model, source=source, progress=not as_json))
-    dfacts = read_facts(resolve(draft, source=source, progress=not as_json)) if draft else None
+    facts = read_facts(resolve(model, source=source, progress=_progress(not as_json)))
+    dfacts = read_facts(resolve(draft, source=source, progress=_progress(not as_json))) if draft else None
     budget = detect_budget(supports_gpu_offload(), parse_size(memory_budget) if memory_budget else None)
     p = plan(memory_of(facts), memory_of(dfacts) if dfacts else None, budget, n_ctx=n_ctx,
              k_max=K_MAX_CAP if k is None else k)
@@ -374,18 +418,27 @@ def models_list(as_json: bool) -> None:
 def models_fetch(names: tuple[str, ...], source: str | None) -> None:
     """Download, assemble, verify (sha256) and cache catalog models."""
     for name in names:
-        path = fetch_model(name, source=source, progress=True)
+        path = fetch_model(name, source=source, progress=_FetchBar())
         click.echo(f"{name}: {path}")
 
 
 @models.command("rm")
 @click.argument("names", nargs=-1, required=True)
+@click.option("--hub", is_flag=True, help="Also delete the model's revision from the Hugging Face cache.")
 @_errors
-def models_rm(names: tuple[str, ...]) -> None:
-    """Delete cached catalog models (Hub downloads: `huggingface-cli delete-cache`)."""
+def models_rm(names: tuple[str, ...], hub: bool) -> None:
+    """Delete cached catalog models (a Hub download stays in the Hugging Face cache unless --hub)."""
     for name in names:
-        path = remove_model(name)
-        click.echo(f"{name}: removed {path}" if path else f"{name}: not cached")
+        r = remove_model(name, hub=hub)
+        if r.path is None:
+            click.echo(f"{name}: not cached")
+        elif r.hub_file is None:
+            click.echo(f"{name}: removed {r.path}, {r.freed / 2**20:.0f} MiB freed")
+        elif r.hub_removed:
+            click.echo(f"{name}: removed {r.path} and its Hugging Face cache revision, {r.freed / 2**20:.0f} MiB freed")
+        else:
+            click.echo(f"{name}: removed the link {r.path}; the file ({r.hub_size / 2**20:.0f} MiB) stays in the "
+                       f"Hugging Face cache at {r.hub_file}: `edgespec models rm --hub {name}` deletes it too")
 
 
 @models.command("pull")

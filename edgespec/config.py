@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Literal
 
 from edgespec.errors import InvalidRequestError
 
@@ -27,18 +28,28 @@ def default_threads() -> int:
     return psutil.cpu_count(logical=False) or os.cpu_count() or 1
 
 
+FlashAttn = Literal["auto", "on", "off"]
+FLASH_ATTN: tuple[str, ...] = ("auto", "on", "off")
+
+
 @dataclass(frozen=True)
 class LoadConfig:
     n_ctx: int | None = None  # None: the memory plan picks it (up to DEFAULT_N_CTX)
     n_threads: int = field(default_factory=default_threads)
     n_batch: int = DEFAULT_N_BATCH
     n_gpu_layers: int = -1  # all layers on the GPU when llama.cpp was built with one
+    # llama.cpp's own default: on where the backend has the kernels. It changes the arithmetic, so
+    # outputs compare exactly only between runs with the same setting (llama-cpp-python's Llama defaults to off).
+    flash_attn: FlashAttn = "auto"
 
     def __post_init__(self) -> None:
         if self.n_ctx is not None and self.n_ctx < 16:
             raise InvalidRequestError(f"context size {self.n_ctx} is too small; use at least 16 (e.g. --ctx 4096)")
         if self.n_threads < 1:
-            raise InvalidRequestError(f"thread count {self.n_threads} must be >= 1")
+            raise InvalidRequestError(f"thread count {self.n_threads} must be >= 1; leave --threads out to use "
+                                      f"the {default_threads()} physical cores")
+        if self.flash_attn not in FLASH_ATTN:
+            raise InvalidRequestError(f"flash attention {self.flash_attn!r} must be one of {', '.join(FLASH_ATTN)}")
         if self.n_batch < 1:
             raise InvalidRequestError(f"batch size {self.n_batch} must be >= 1")
 

@@ -275,19 +275,21 @@ def _cache_key(target, draft, batches) -> str:
     for m in (target, draft):
         if m is not None:
             st = m.path.stat()
-            parts += [str(m.path.resolve()), str(st.st_size), str(int(st.st_mtime)), str(m.cfg.n_gpu_layers)]
+            parts += [str(m.path.resolve()), str(st.st_size), str(int(st.st_mtime)), str(m.cfg.n_gpu_layers),
+                      m.cfg.flash_attn]
     parts.append(_cpu_model())
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
 def _cpu_model() -> str:
+    """The CPU's name and flags: machines named alike ("AMD EPYC") may differ in AVX-512, and so in costs."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
+    wanted = (next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith(key)), "")
+              for key in ("model name", "flags"))
+    return " ".join(wanted).strip() or platform.processor()
 
 
 def _default_cache_dir() -> Path:

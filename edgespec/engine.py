@@ -22,7 +22,7 @@ from edgespec.budget import K_MAX_CAP, ModelMemory
 from edgespec.config import DEFAULT_K, MAX_K, GenerationConfig, LoadConfig
 from edgespec.controller import DRAFT_ACCEPT_CEILING, DRAFT_P_MIN, Costs, CostTracker, calibrate, draft_can_pay
 from edgespec.errors import ContextOverflowError, InvalidRequestError, OutOfMemoryError, UnsupportedModelError
-from edgespec.models import DEFAULT_MODEL, resolve
+from edgespec.models import DEFAULT_MODEL, ProgressCallback, resolve
 from edgespec.proposers import PROPOSERS, Proposal, Proposer
 from edgespec.proposers.auto import AutoProposer
 from edgespec.proposers.draft import DraftProposer
@@ -136,7 +136,7 @@ class Engine:
         load: LoadConfig | None = None,
         memory_budget: int | None = None,
         source: str | None = None,
-        progress: bool = False,
+        progress: ProgressCallback | None = None,
     ) -> None:
         """Load `model` (a catalog name or GGUF path) and, optionally, a `draft` model.
 

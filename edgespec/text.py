@@ -1,4 +1,4 @@
-"""Token bytes to streamed text: whole UTF-8 characters only, and stop strings.
+"""Text and UTF-8: prompts to bytes, and token bytes to streamed text (whole characters, stop strings).
 
 A token may end inside a multi-byte character, and a stop string may span
 several tokens, so text is released only once it can no longer change: the
@@ -9,7 +9,20 @@ the start of a stop string is held back until the next tokens decide it.
 from __future__ import annotations
 
 import codecs
+import re
 from typing import Sequence
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def to_utf8(text: str) -> bytes:
+    """`text` as UTF-8 for the tokenizer. A lone surrogate, which UTF-8 cannot hold, becomes U+FFFD:
+    Python makes one of each invalid byte in argv, and JSON may carry one ("\\ud800"). Terminals show
+    invalid bytes as U+FFFD too, so the CLI and the server read such input the same way."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _LONE_SURROGATE.sub("\ufffd", text).encode("utf-8")
 
 
 class TextStream:

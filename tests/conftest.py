@@ -12,7 +12,7 @@ from edgespec.models import fetch
 
 
 def _fetch(name: str) -> Path:
-    return fetch(name, progress=True)
+    return fetch(name)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,8 @@
 """The model catalog and the cache of fetched models."""
 
 from edgespec.models.catalog import DEFAULT_MODEL, MODELS, PAIRS, CatalogModel
-from edgespec.models.store import cache_dir, cached_path, fetch, remove, resolve
+from edgespec.models.store import (FetchProgress, ProgressCallback, Removed, cache_dir, cached_path, fetch, remove,
+                                   resolve)
 
-__all__ = ["DEFAULT_MODEL", "MODELS", "PAIRS", "CatalogModel", "cache_dir", "cached_path", "fetch", "remove", "resolve"]
+__all__ = ["DEFAULT_MODEL", "MODELS", "PAIRS", "CatalogModel", "FetchProgress", "ProgressCallback", "Removed",
+           "cache_dir", "cached_path", "fetch", "remove", "resolve"]

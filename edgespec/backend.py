@@ -117,6 +117,8 @@ class Model:
         _check_gguf_file(path)
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = cfg.n_gpu_layers if cfg.n_gpu_layers >= 0 else 999
+        if not (cfg.mmap or facts_only):
+            mparams.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE  # read into memory; the default maps the file
         if facts_only:
             mparams.use_extra_bufts = False  # no repacking of weights that will not run
         _recent_errors.clear()

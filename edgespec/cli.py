@@ -89,6 +89,9 @@ _engine_options = _options(
                  help=f"Context size in tokens [default: up to {DEFAULT_N_CTX}, as the memory plan allows]."),
     click.option("--flash-attn", type=click.Choice(FLASH_ATTN), default="auto", show_default=True,
                  help="llama.cpp's flash attention (auto: on where the backend has it)."),
+    click.option("--mmap/--no-mmap", default=None,
+                 help="Map the weights from the file, or read them into memory [default: map; serve reads, so "
+                      "that a model file overwritten in place cannot crash it]."),
     click.option("-q", "--quiet", is_flag=True, help="No progress, notes or stats on stderr."),
     _source_option,
 )
@@ -141,7 +144,7 @@ def _progress(show: bool) -> _FetchBar | None:
     return _FetchBar() if show else None
 
 
-def _open_engine(o: dict[str, Any]):
+def _open_engine(o: dict[str, Any], mmap: bool = True):
     """Load the engine the options describe, telling a person what happens unless --quiet."""
     from edgespec.engine import Engine
 
@@ -151,7 +154,8 @@ def _open_engine(o: dict[str, Any]):
                    err=True)
     engine = Engine(o["model"], draft=o["draft"], proposer=o["proposer"], k=o["k"],
                     load=LoadConfig(n_ctx=o["n_ctx"], n_threads=default_threads() if o["threads"] is None
-                                    else o["threads"], flash_attn=o["flash_attn"]),
+                                    else o["threads"], flash_attn=o["flash_attn"],
+                                    mmap=mmap if o["mmap"] is None else o["mmap"]),
                     memory_budget=parse_size(o["memory_budget"]) if o["memory_budget"] else None,
                     source=o["source"], progress=_progress(show))
     if show:
@@ -333,7 +337,7 @@ def serve(host: str, port: int, api_key: str | None, cors_origins: tuple[str, ..
         click.echo(click.style(f"edgespec serving {o['model']} on http://{host}:{port} (GET /health is 503 until "
                                f"the model is loaded)", dim=True), err=True)
     def load() -> Any:
-        engine = _open_engine({**o, "quiet": True})
+        engine = _open_engine({**o, "quiet": True}, mmap=False)
         engine.reuse_prefix = not no_prefix_reuse
         return engine
 

@@ -41,6 +41,9 @@ class LoadConfig:
     # llama.cpp's own default: on where the backend has the kernels. It changes the arithmetic, so
     # outputs compare exactly only between runs with the same setting (llama-cpp-python's Llama defaults to off).
     flash_attn: FlashAttn = "auto"
+    # Map the weights from the file (llama.cpp's default) or read them into memory. A mapped file that is
+    # overwritten in place (truncated) kills the process with SIGBUS; a long-running server reads instead.
+    mmap: bool = True
 
     def __post_init__(self) -> None:
         if self.n_ctx is not None and self.n_ctx < 16:

@@ -126,3 +126,28 @@ def test_gemma_loads_with_its_own_vocabulary(gemma_path):
         assert g.facts.architecture == "gemma3"
         assert g.n_vocab > 200_000
         assert g.detokenize(g.tokenize("hello world", add_special=False)) == "hello world"
+
+
+def test_weights_read_into_memory_survive_the_file_being_overwritten_in_place(tmp_path, smollm_path):
+    """A mapped file truncated under a running model is SIGBUS; `mmap=False` (what serve uses) must not be."""
+    import shutil
+    import subprocess
+    import sys
+    import textwrap
+
+    copy = tmp_path / "m.gguf"
+    shutil.copy(smollm_path, copy)
+    script = textwrap.dedent(f"""
+        import os
+        from edgespec.backend import Model
+        from edgespec.config import LoadConfig
+        m = Model({str(copy)!r}, LoadConfig(n_ctx=64, n_threads=2, mmap=False))
+        tokens = m.tokenize("The capital of France is")
+        before = m.decode(tokens).argmax()
+        os.truncate({str(copy)!r}, 0)  # as `cp other.gguf m.gguf` does first
+        os.posix_fadvise(os.open({str(copy)!r}, os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+        m.trim(0)
+        print(before == m.decode(tokens).argmax())
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stdout) == (0, "True\n"), p.stderr[-2000:]

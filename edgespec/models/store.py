@@ -8,6 +8,7 @@ across processes (a lock file beside it); a second waits, then finds it cached.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import logging
@@ -20,7 +21,7 @@ import urllib.parse
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable, Literal
+from typing import BinaryIO, Callable, Iterator, Literal
 
 from filelock import FileLock, Timeout
 
@@ -124,23 +125,20 @@ def _make_cache_dir() -> Path:
     return folder
 
 
-class _fetch_lock:
+@contextlib.contextmanager
+def _fetch_lock(dest: Path, entry: CatalogModel, report: ProgressCallback) -> Iterator[None]:
     """The model's lock file, held for the whole fetch; a second process says it waits, then waits."""
-
-    def __init__(self, dest: Path, entry: CatalogModel, report: ProgressCallback) -> None:
-        self.lock = FileLock(str(dest) + ".lock")
-        self.entry, self.report = entry, report
-
-    def __enter__(self) -> None:
-        try:
-            self.lock.acquire(timeout=0)
-        except Timeout:
-            log.info("another process is fetching %s; waiting for it", self.entry.name)
-            self.report(FetchProgress(self.entry.name, 0, self.entry.size, 0, 0, "wait"))
-            self.lock.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self.lock.release()
+    lock = FileLock(str(dest) + ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("another process is fetching %s; waiting for it", entry.name)
+        report(FetchProgress(entry.name, 0, entry.size, 0, 0, "wait"))
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:

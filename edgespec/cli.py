@@ -23,6 +23,7 @@ from edgespec.config import (
     FLASH_ATTN,
     GenerationConfig,
     LoadConfig,
+    SHUTDOWN_GRACE_SECONDS,
     SamplingConfig,
     default_threads,
 )
@@ -316,15 +317,15 @@ def _answer(session: Any, text: str, quiet: bool) -> None:
 @click.option("--cors-origin", "cors_origins", multiple=True, help="Allow browser requests from this origin (repeatable); none by default.")
 @click.option("--max-body-bytes", type=int, default=4 << 20, show_default=True)
 @click.option("--infill-cancel-older", is_flag=True, help="A newer /infill request cancels older ones still running.")
+@click.option("--shutdown-grace", type=click.FloatRange(min=0), default=SHUTDOWN_GRACE_SECONDS, show_default=True,
+              help="Seconds requests in flight get after SIGTERM or Ctrl-C before they are cancelled.")
 @click.option("--no-prefix-reuse", is_flag=True, hidden=True, help="Evaluate every prompt from scratch (benchmarks).")
 @_errors
 def serve(host: str, port: int, api_key: str | None, cors_origins: tuple[str, ...], max_body_bytes: int,
-          infill_cancel_older: bool, no_prefix_reuse: bool, **o: Any) -> None:
+          infill_cancel_older: bool, shutdown_grace: float, no_prefix_reuse: bool, **o: Any) -> None:
     """Serve OpenAI-compatible and llama.cpp-style (/infill, /completion) endpoints."""
     try:
-        import uvicorn
-
-        from edgespec.server import Settings, create_app, is_loopback
+        from edgespec.server import Settings, create_app, is_loopback, serve as run_server
     except ImportError as e:
         raise click.ClickException(f"the server needs its extra ({e.name} is missing): pip install 'edgespec[server]'")
     if not is_loopback(host) and not api_key:
@@ -342,7 +343,7 @@ def serve(host: str, port: int, api_key: str | None, cors_origins: tuple[str, ..
         return engine
 
     app = create_app(settings, load)
-    uvicorn.run(app, host=host, port=port, log_level="warning" if o["quiet"] else "info")
+    run_server(app, settings, log_level="warning" if o["quiet"] else "info", grace=shutdown_grace)
 
 
 @cli.command("plan")

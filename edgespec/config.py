@@ -19,6 +19,8 @@ DEFAULT_TEMPERATURE = 0.0
 DEFAULT_TOP_K = 40
 DEFAULT_TOP_P = 0.95
 DEFAULT_MIN_P = 0.05
+# After SIGTERM the server gives requests in flight this long, then cancels them (streams still end properly).
+SHUTDOWN_GRACE_SECONDS = 10.0
 
 
 def default_threads() -> int:

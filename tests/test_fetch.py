@@ -268,3 +268,10 @@ def test_rm_of_a_pypi_model_says_what_it_freed(fake_model):
     r = CliRunner().invoke(cli, ["models", "rm", "fake"])
     assert r.stdout == f"fake: removed {fetch.cache_dir() / 'fake.gguf'}, 0 MiB freed\n"
     assert CliRunner().invoke(cli, ["models", "rm", "fake"]).stdout == "fake: not cached\n"
+
+
+def test_real_pip_download_is_quiet_below_verbose(tmp_path, capfd):
+    """pip's own log is not shown (one bar per model is), and the wheel is found by its name."""
+    wheel = fetch._pip_download("six==1.16.0", tmp_path)
+    assert wheel.name == "six-1.16.0-py2.py3-none-any.whl"
+    assert capfd.readouterr() == ("", "")

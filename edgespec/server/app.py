@@ -15,14 +15,17 @@ import hmac
 import ipaddress
 import json
 import logging
+import signal
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Iterator
 
+import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
@@ -30,6 +33,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgespec import errors
+from edgespec.config import SHUTDOWN_GRACE_SECONDS
 from edgespec.fim import infill_tokens
 from edgespec.server import schemas
 
@@ -38,6 +42,12 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 DISCONNECT_POLL_SECONDS = 0.1
+# Connections still open this long after the grace period are dropped by uvicorn.
+SHUTDOWN_BACKSTOP_SECONDS = 5
+# A body over the limit is still read (and dropped) up to this size, so that the client reads the 413.
+MAX_DRAIN_BYTES = 64 << 20
+ROUTES_HELP = ("GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /completion, "
+               "POST /infill")
 
 
 @dataclass
@@ -66,7 +76,18 @@ class _State:
     load_error: str | None = None
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="engine"))
     infills: set[threading.Event] = field(default_factory=set)
+    active: set[threading.Event] = field(default_factory=set)  # cancel events of every request in flight
     finished: dict[str, int] = field(default_factory=dict)  # generations by finish reason, for /health
+    draining: bool = False  # a signal came: new requests get 503, those in flight get a grace period
+
+    def shutdown(self, grace: float) -> None:
+        """Refuse new requests; cancel those still running after `grace` seconds (streams then finish)."""
+        if self.draining:
+            return
+        self.draining = True
+        timer = threading.Timer(grace, lambda: [e.set() for e in list(self.active)])
+        timer.daemon = True
+        timer.start()
 
 
 def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
@@ -84,23 +105,32 @@ def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         threading.Thread(target=load, name="load", daemon=True).start()
         yield
-        state.executor.shutdown(wait=False, cancel_futures=True)
+        for cancel in list(state.active):  # the grace period is over: end what still runs within a cycle
+            cancel.set()
+        state.executor.shutdown(wait=True, cancel_futures=True)  # the engine must be idle before it is freed
         if state.engine is not None:
             state.engine.close()
 
     # -- helpers -------------------------------------------------------------------
 
     def engine() -> Any:
+        if state.draining:
+            raise _Unavailable("the server is shutting down; send the request to a new instance")
         if state.engine is None:
             raise _Unavailable(state.load_error or "the model is still loading; retry when GET /health says ok")
         return state.engine
 
     async def body_of(request: Request) -> dict[str, Any]:
         data = bytearray()
+        n = 0
         async for piece in request.stream():
-            data += piece
-            if len(data) > settings.max_body_bytes:
-                raise _TooLarge(f"request body over {settings.max_body_bytes} bytes; send less context")
+            n += len(piece)
+            if n <= settings.max_body_bytes:
+                data += piece
+            elif n > MAX_DRAIN_BYTES:  # read on so that the client, still sending, gets to read the 413
+                break
+        if n > settings.max_body_bytes:
+            raise _TooLarge(f"request body over {settings.max_body_bytes} bytes; send less context")
         try:
             body = json.loads(data)
         except (ValueError, UnicodeDecodeError) as e:
@@ -114,12 +144,16 @@ def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
         """Generate without streaming, cancelling if the client disconnects meanwhile."""
         eng = engine()
         loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(state.executor, lambda: list(eng.stream(prompt, req.config, req.stop, cancel)))
-        while not job.done():
-            if await request.is_disconnected():
-                cancel.set()
-            await asyncio.wait([job], timeout=DISCONNECT_POLL_SECONDS)
-        chunks = job.result()
+        state.active.add(cancel)
+        try:
+            job = loop.run_in_executor(state.executor, lambda: list(eng.stream(prompt, req.config, req.stop, cancel)))
+            while not job.done():
+                if await request.is_disconnected():
+                    cancel.set()
+                await asyncio.wait([job], timeout=DISCONNECT_POLL_SECONDS)
+            chunks = job.result()
+        finally:
+            state.active.discard(cancel)
         count(chunks[-1].finish_reason)
         return "".join(c.text for c in chunks), chunks
 
@@ -144,6 +178,7 @@ def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, done)
 
+        state.active.add(cancel)
         state.executor.submit(work)
 
         async def gen() -> AsyncIterator[Any]:
@@ -154,6 +189,7 @@ def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
                     yield item
             finally:
                 cancel.set()  # normal end: harmless; disconnect: stops the generation within a cycle
+                state.active.discard(cancel)
 
         return gen()
 
@@ -163,6 +199,8 @@ def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
     # -- endpoints -----------------------------------------------------------------
 
     async def health(request: Request) -> Response:
+        if state.draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         if state.load_error:
             return JSONResponse({"status": "error", "error": state.load_error}, status_code=500)
         if state.engine is None:
@@ -206,6 +244,11 @@ def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
         chunks = stream_chunks(prompt, req, cancel)
 
         async def sse() -> AsyncIterator[str]:
+            async for event in _sse_guard(events()):
+                yield event
+            yield "data: [DONE]\n\n"
+
+        async def events() -> AsyncIterator[str]:
             first = True
             async for c in chunks:
                 if c.finish_reason is None and not c.text:
@@ -224,7 +267,6 @@ def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
                     event |= {"usage": _usage(c.stats), "speculative": _spec(c.stats)}
                 first = False
                 yield f"data: {json.dumps(event)}\n\n"
-            yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -267,13 +309,17 @@ def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
                 state.infills.discard(cancel)
         chunks = stream_chunks(prompt, req, cancel)
 
+        async def events() -> AsyncIterator[str]:
+            async for c in chunks:
+                if c.stats is not None:
+                    yield f"data: {json.dumps(_llama_final(c.text, c, settings.model_name, req))}\n\n"
+                elif c.text:
+                    yield f"data: {json.dumps({'content': c.text, 'stop': False})}\n\n"
+
         async def sse() -> AsyncIterator[str]:
             try:
-                async for c in chunks:
-                    if c.stats is not None:
-                        yield f"data: {json.dumps(_llama_final(c.text, c, settings.model_name, req))}\n\n"
-                    elif c.text:
-                        yield f"data: {json.dumps({'content': c.text, 'stop': False})}\n\n"
+                async for event in _sse_guard(events()):
+                    yield event
             finally:
                 state.infills.discard(cancel)
 
@@ -291,7 +337,42 @@ def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
     if settings.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                                      allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
-    return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error, Exception: _unexpected})
+    app.state.shutdown = state.shutdown
+    return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's graceful shutdown, with the app told first (it refuses new requests and bounds the old ones)
+    and exit status 0: uvicorn itself re-raises a caught SIGTERM after shutting down, so the process ended 143."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.on_signal()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def serve(app: Starlette, settings: Settings, log_level: str, grace: float = SHUTDOWN_GRACE_SECONDS) -> None:
+    """Run `app` until SIGTERM or Ctrl-C: requests in flight get `grace` seconds, then are cancelled."""
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
+                            timeout_graceful_shutdown=int(grace) + SHUTDOWN_BACKSTOP_SECONDS)
+    _Server(config, lambda: app.state.shutdown(grace)).run()
 
 
 # -- errors ---------------------------------------------------------------------------
@@ -313,17 +394,52 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
 
 
+def _domain_error(e: errors.EdgespecError) -> JSONResponse:
+    status = next(code for cls, code in _STATUS if isinstance(e, cls))
+    return _error(status, str(e), "invalid_request_error" if status < 500 else "server_error")
+
+
+def _internal_error(e: BaseException) -> JSONResponse:
+    log.error("unexpected error while serving a request", exc_info=e)  # the traceback goes to the log only
+    return _error(500, f"internal error ({type(e).__name__}: {e}); the server keeps serving, and the log has the "
+                       f"details: please report it", "server_error")
+
+
 def _guard(endpoint: Callable[[Request], Any]) -> Callable[[Request], Any]:
-    """Domain errors to HTTP codes by type; the server keeps serving whatever a request sends."""
+    """Domain errors to HTTP codes by type, anything else to a JSON 500; the server keeps serving."""
 
     async def wrapped(request: Request) -> Response:
         try:
             return await endpoint(request)
         except errors.EdgespecError as e:
-            status = next(code for cls, code in _STATUS if isinstance(e, cls))
-            return _error(status, str(e), "invalid_request_error" if status < 500 else "server_error")
+            return _domain_error(e)
+        except Exception as e:
+            return _internal_error(e)
 
     return wrapped
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 and 405 in OpenAI's error shape, naming what was asked."""
+    assert isinstance(exc, HTTPException)
+    what = "no such route" if exc.status_code == 404 else exc.detail
+    return _error(exc.status_code, f"{request.method} {request.url.path}: {what}; the routes are {ROUTES_HELP}",
+                  "invalid_request_error")
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    return _internal_error(exc)
+
+
+async def _sse_guard(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Pass events through; an error midway becomes an error event instead of a cut connection."""
+    try:
+        async for event in events:
+            yield event
+    except errors.EdgespecError as e:
+        yield f"data: {_domain_error(e).body.decode()}\n\n"
+    except Exception as e:
+        yield f"data: {_internal_error(e).body.decode()}\n\n"
 
 
 def _prompt(body: dict[str, Any], eng: Any) -> list[int]:
@@ -397,7 +513,17 @@ class _Safety:
                                     "authentication_error")(scope, receive, send)
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.settings.max_body_bytes):
+            if length.isdigit() and int(length) <= MAX_DRAIN_BYTES:
+                await _drain(receive)
             return await _error(413, f"request body of {length} bytes is over the limit of "
-                                     f"{self.settings.max_body_bytes}; send less context",
-                                "invalid_request_error")(scope, receive, send)
+                                     f"{self.settings.max_body_bytes}; send less context (or raise "
+                                     f"--max-body-bytes)", "invalid_request_error")(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+async def _drain(receive: Callable) -> None:
+    """Read a request body to its end and drop it: a client still sending would otherwise get a broken pipe."""
+    while True:
+        message = await receive()
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return

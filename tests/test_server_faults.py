@@ -1,0 +1,124 @@
+"""Faults a real `edgespec serve` on 127.0.0.1 must survive: odd bytes, oversized bodies, SIGTERM in flight,
+half-sent requests, and its model file replaced, deleted or overwritten while it runs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from test_server import Server
+
+GRACE = 1.0  # --shutdown-grace of the servers stopped here
+
+
+@pytest.fixture(scope="module")
+def smol(smollm_path):
+    s = Server(smollm_path, "--ctx", "512", "--proposer", "none")
+    yield s
+    s.stop()
+
+
+def completion(server: Server, body: dict, timeout: float = 60) -> httpx.Response:
+    return httpx.post(server.url + "/v1/completions", json=body, timeout=timeout)
+
+
+def test_nul_and_lone_surrogate_in_a_prompt_read_as_the_cli_reads_them(smol):
+    # JSON carries a lone surrogate as the escape \ud800; it reads as U+FFFD, as in the CLI (text.to_utf8).
+    raw = b'{"prompt": "a\\u0000b\\ud800c", "max_tokens": 2, "temperature": 0}'
+    r = httpx.post(smol.url + "/v1/completions", content=raw, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    same = completion(smol, {"prompt": "a\x00b\ufffdc", "max_tokens": 2, "temperature": 0})
+    assert r.json()["choices"][0]["text"] == same.json()["choices"][0]["text"]
+    assert r.json()["usage"] == same.json()["usage"]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_an_8_mib_body_gets_a_413_the_client_can_read(smol, chunked):
+    body = b'{"prompt": "' + b"x" * (8 << 20) + b'"}'
+    content = (body[i:i + 65536] for i in range(0, len(body), 65536)) if chunked else body
+    r = httpx.post(smol.url + "/completion", content=content, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == 413
+    assert "over" in r.json()["error"]["message"] and str(4 << 20) in r.json()["error"]["message"]
+    assert smol.health()["status"] == "ok"
+
+
+@pytest.mark.parametrize("method, path, status", [("GET", "/nope", 404), ("POST", "/v1/embeddings", 404),
+                                                  ("GET", "/infill", 405), ("DELETE", "/completion", 405)])
+def test_unknown_routes_and_methods_are_json_errors(smol, method, path, status):
+    r = httpx.request(method, smol.url + path, timeout=30)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["code"] == status and f"{method} {path}" in err["message"] and "POST /infill" in err["message"]
+
+
+def test_a_half_sent_request_does_not_hold_up_the_others(smol):
+    with socket.create_connection(("127.0.0.1", smol.port)) as half:
+        half.sendall(b"POST /completion HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": \"never fini")
+        for _ in range(3):  # the half-open client holds its connection for the whole loop
+            r = httpx.post(smol.url + "/completion", json={"prompt": "1 + 1 =", "n_predict": 2}, timeout=30)
+            assert r.status_code == 200
+
+
+def test_sigterm_ends_streams_properly_refuses_new_requests_and_exits_0(smollm_path):
+    s = Server(smollm_path, "--ctx", "2048", "--proposer", "none", "--shutdown-grace", str(GRACE))
+    events: list[str] = []
+
+    def long_stream() -> None:
+        body = {"prompt": "Count: 1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 1900, "stream": True, "temperature": 0}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as r:
+            events.extend(line for line in r.iter_lines() if line)
+
+    reader = threading.Thread(target=long_stream)
+    reader.start()
+    time.sleep(1.5)  # the stream is under way: 1900 tokens take far longer than the grace period
+    t0 = time.monotonic()
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    try:
+        late = httpx.post(s.url + "/completion", json={"prompt": "hi", "n_predict": 1}, timeout=10)
+        assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+    except httpx.ConnectError:
+        pass  # or the listening socket is already closed: refused, which a client also retries elsewhere
+    rc = s.proc.wait(GRACE + 20)
+    reader.join(30)
+    assert rc == 0, s.proc.stderr.read()
+    assert time.monotonic() - t0 < GRACE + 15
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2].removeprefix("data: "))
+    assert last["choices"][0]["finish_reason"] is not None and "error" not in last
+    assert last["usage"]["completion_tokens"] < 1900  # cut by the grace period, not run to the end
+
+
+@pytest.mark.parametrize("fault", ["replaced", "deleted", "overwritten in place"])
+def test_model_file_changed_under_a_running_server_is_not_a_crash(fault, smollm_path, gemma_path, tmp_path):
+    copy = tmp_path / "model.gguf"
+    shutil.copy(smollm_path, copy)
+    s = Server(copy, "--ctx", "256", "--proposer", "none")
+    try:
+        body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+        before = completion(s, body).json()["choices"][0]["text"]
+        if fault == "replaced":
+            other = tmp_path / "other.gguf"
+            shutil.copy(gemma_path, other)
+            other.replace(copy)  # as a re-fetch does: a new file renamed over the old one
+        elif fault == "deleted":
+            copy.unlink()
+        else:
+            with open(gemma_path, "rb") as src, open(copy, "wb") as dst:  # `cp other.gguf model.gguf`
+                shutil.copyfileobj(src, dst)
+        for _ in range(3):
+            r = completion(s, body)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == before  # the weights in use are the ones loaded
+        assert s.proc.poll() is None and s.health()["status"] == "ok"
+    finally:
+        s.stop()

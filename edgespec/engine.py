@@ -416,18 +416,21 @@ class Engine:
         stats.cached_prompt_tokens = common
         return m.decode(prompt[common:], n_outputs=1)
 
-    def check_fits(self, prompt: Sequence[int], max_tokens: int) -> None:
-        """Raise ContextOverflowError, with the numbers, unless prompt and answer fit the context."""
+    def check_fits(self, prompt: Sequence[int], max_tokens: int, prompt_name: str = "the prompt",
+                   max_tokens_name: str = "--max-tokens") -> None:
+        """Raise ContextOverflowError, with the numbers, unless prompt and answer fit the context.
+
+        The names are how the caller spells the two inputs (the server names its request fields)."""
         n_ctx = self.target.n_ctx
         if not prompt:
-            raise InvalidRequestError("the prompt is empty; give at least one token of prompt")
+            raise InvalidRequestError(f"{prompt_name} is empty; give at least one token of prompt")
         if len(prompt) >= n_ctx:
             raise ContextOverflowError(
-                f"the prompt has {len(prompt)} tokens but the context holds {n_ctx}; "
-                f"shorten the prompt or raise --ctx above {len(prompt)}"
+                f"{prompt_name} has {len(prompt)} tokens but the context holds {n_ctx}; "
+                f"shorten it or raise --ctx above {len(prompt)}"
             )
         if len(prompt) + max_tokens > n_ctx:
             raise ContextOverflowError(
-                f"max_tokens {max_tokens} plus the prompt's {len(prompt)} tokens exceed the context of {n_ctx}; "
-                f"use --max-tokens {n_ctx - len(prompt)} or less, or raise --ctx"
+                f"{max_tokens_name} {max_tokens} plus the prompt's {len(prompt)} tokens exceed the context of "
+                f"{n_ctx}; use {max_tokens_name} {n_ctx - len(prompt)} or less, or raise --ctx"
             )

@@ -193,8 +193,9 @@ def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
 
         return gen()
 
-    def check_fits(prompt: list[int], req: schemas.Request) -> None:
-        engine().check_fits(prompt, req.config.max_tokens)  # before a stream starts: a 400, not a broken stream
+    def check_fits(prompt: list[int], req: schemas.Request, prompt_name: str) -> None:
+        # Before a stream starts: a 400, not a broken stream.
+        engine().check_fits(prompt, req.config.max_tokens, prompt_name, req.max_tokens_field)
 
     # -- endpoints -----------------------------------------------------------------
 
@@ -215,17 +216,18 @@ def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
         body = await body_of(request)
         eng = engine()
         req = schemas.generation(body, eng.target.n_ctx, 16, 1.0)
-        return await openai_response(request, _prompt(body, eng), req, chat=False)
+        return await openai_response(request, _prompt(body, eng), req, "'prompt'", chat=False)
 
     async def chat_completions(request: Request) -> Response:
         body = await body_of(request)
         eng = engine()
         prompt = eng.chat_tokens(schemas.messages(body))
         req = schemas.generation(body, eng.target.n_ctx, min(1024, max(1, eng.target.n_ctx - len(prompt))), 1.0)
-        return await openai_response(request, prompt, req, chat=True)
+        return await openai_response(request, prompt, req, "'messages'", chat=True)
 
-    async def openai_response(request: Request, prompt: list[int], req: schemas.Request, chat: bool) -> Response:
-        check_fits(prompt, req)
+    async def openai_response(request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
+                              chat: bool) -> Response:
+        check_fits(prompt, req, prompt_name)
         cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
@@ -274,14 +276,14 @@ def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
         """llama.cpp's native /completion, as Continue and others call it."""
         body = await body_of(request)
         eng = engine()
-        req = schemas.generation(body, eng.target.n_ctx, 128, 0.8)
-        return await llama_response(request, _prompt(body, eng), req)
+        req = schemas.generation(body, eng.target.n_ctx, 128, 0.8, "n_predict")
+        return await llama_response(request, _prompt(body, eng), req, "'prompt'")
 
     async def infill(request: Request) -> Response:
         """llama.cpp's /infill: prefix, suffix and extra files around the cursor, as llama.vim sends them."""
         body = await body_of(request)
         eng = engine()
-        req = schemas.generation(body, eng.target.n_ctx, 128, 0.8)
+        req = schemas.generation(body, eng.target.n_ctx, 128, 0.8, "n_predict")
         tok = eng.target
         prompt = infill_tokens(
             tok.vocab, lambda text: tok.tokenize(text, add_special=False, parse_special=False),
@@ -289,11 +291,12 @@ def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
             schemas.text_field(body, "prompt", "") or "", schemas.extra_chunks(body),
             budget=tok.n_ctx - req.config.max_tokens,
         )
-        return await llama_response(request, prompt, req, infill=True)
+        return await llama_response(request, prompt, req, "the infill prompt ('input_prefix', 'input_suffix', "
+                                                          "'prompt', 'input_extra')", infill=True)
 
-    async def llama_response(request: Request, prompt: list[int], req: schemas.Request,
+    async def llama_response(request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
                              infill: bool = False) -> Response:
-        check_fits(prompt, req)
+        check_fits(prompt, req, prompt_name)
         cancel = threading.Event()
         if infill and settings.infill_cancel_older:
             for older in list(state.infills):

@@ -57,17 +57,22 @@ class Request:
     config: GenerationConfig
     stop: tuple[str, ...]
     stream: bool
+    max_tokens_field: str  # as the request spelled it, for errors: 'max_tokens', 'n_predict', or the default
 
 
-def generation(body: dict[str, Any], n_ctx: int, default_max_tokens: int, default_temperature: float) -> Request:
+def generation(body: dict[str, Any], n_ctx: int, default_max_tokens: int, default_temperature: float,
+               length_field: str = "max_tokens") -> Request:
     """The fields OpenAI's and llama.cpp's endpoints share (llama.cpp spells max_tokens n_predict).
 
-    Defaults follow each API: temperature 1.0 for OpenAI's, 0.8 for llama.cpp's.
+    Defaults follow each API: temperature 1.0 for OpenAI's, 0.8 for llama.cpp's. `length_field` is the
+    route's own name for the length, named in errors when the request left it out.
     """
     max_tokens = number(body, "max_tokens", None, 1, n_ctx, integer=True, aliases=("max_completion_tokens",))
     if max_tokens is None:
         n_predict = number(body, "n_predict", None, -1, n_ctx, integer=True)
         max_tokens = default_max_tokens if n_predict in (None, -1) else n_predict
+    given = [k for k in ("max_tokens", "max_completion_tokens", "n_predict") if body.get(k) is not None]
+    field_name = f"'{given[0] if given else length_field}'"
     if max_tokens < 1:
         raise InvalidRequestError(f"'n_predict' must be -1 (up to the context) or between 1 and {n_ctx}, got {max_tokens}")
     if body.get("n", 1) != 1:
@@ -82,7 +87,7 @@ def generation(body: dict[str, Any], n_ctx: int, default_max_tokens: int, defaul
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise InvalidRequestError(f"'stream' must be true or false, got {stream!r}")
-    return Request(GenerationConfig(max_tokens=max_tokens, sampling=sampling), stops(body), stream)
+    return Request(GenerationConfig(max_tokens=max_tokens, sampling=sampling), stops(body), stream, field_name)
 
 
 def messages(body: dict[str, Any]) -> list[dict[str, str]]:

@@ -8,7 +8,7 @@
 import logging
 from typing import Any
 
-from edgespec.config import GenerationConfig, LoadConfig, SamplingConfig
+from edgespec.config import EngineConfig, GenerationConfig, LoadConfig, SamplingConfig
 from edgespec.errors import EdgespecError
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())  # a library logs; the app decides what shows
@@ -25,4 +25,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'edgespec' has no attribute {name!r}")
 
 
-__all__ = ["Chunk", "Completion", "EdgespecError", "Engine", "GenerationConfig", "LoadConfig", "SamplingConfig", "Stats"]
+__all__ = ["Chunk", "Completion", "EdgespecError", "Engine", "EngineConfig", "GenerationConfig", "LoadConfig", "SamplingConfig", "Stats"]

@@ -54,7 +54,6 @@ class Vocab:
     type: int  # llama_vocab_type: 1 SPM, 2 BPE, ...
     bos: int | None
     eos: int | None
-    eot: int | None
     add_bos: bool
     fim_pre: int | None
     fim_suf: int | None
@@ -69,7 +68,6 @@ class ModelFacts:
     """What memory accounting and reports need from the GGUF."""
 
     path: Path
-    description: str
     architecture: str
     n_layer: int
     n_head: int
@@ -81,7 +79,6 @@ class ModelFacts:
     n_vocab: int
     n_ctx_train: int
     weights_bytes: int
-    n_params: int
     chat_template: str | None
     recurrent: bool
 
@@ -95,13 +92,14 @@ def _token(t: int) -> int | None:
     return None if t == llama_cpp.LLAMA_TOKEN_NULL else int(t)
 
 
+def open_facts(path: str | Path) -> Model:
+    """A GGUF's facts and vocabulary without a context: weights mapped and not repacked, so this is quick."""
+    return Model(path, LoadConfig(n_ctx=256, n_threads=1, n_gpu_layers=0), facts_only=True)
+
+
 def read_facts(path: str | Path) -> ModelFacts:
-    """A GGUF's facts without a context: weights mmapped and not repacked, so this is quick."""
-    m = Model(path, LoadConfig(n_ctx=256, n_threads=1, n_gpu_layers=0), facts_only=True)
-    try:
+    with open_facts(path) as m:
         return m.facts
-    finally:
-        m.close()
 
 
 def supports_gpu_offload() -> bool:
@@ -262,9 +260,6 @@ class Model:
         else:  # llama.cpp kept only part of a failed batch
             del self.tokens[held:]
 
-    def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
-        llama_cpp.llama_set_n_threads(self._ctx, n_threads, n_threads_batch or n_threads)
-
     # -- vocabulary ---------------------------------------------------------
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
@@ -317,7 +312,6 @@ class Model:
             type=int(llama_cpp.llama_vocab_type(v)),
             bos=_token(llama_cpp.llama_vocab_bos(v)),
             eos=_token(llama_cpp.llama_vocab_eos(v)),
-            eot=_token(llama_cpp.llama_vocab_eot(v)),
             add_bos=bool(llama_cpp.llama_vocab_get_add_bos(v)),
             fim_pre=_token(llama_cpp.llama_vocab_fim_pre(v)),
             fim_suf=_token(llama_cpp.llama_vocab_fim_suf(v)),
@@ -333,12 +327,9 @@ class Model:
         n_embd = int(llama_cpp.llama_model_n_embd(m))
         n_head = int(llama_cpp.llama_model_n_head(m))
         default_dim = n_embd // max(n_head, 1)
-        desc = ctypes.create_string_buffer(256)
-        llama_cpp.llama_model_desc(m, desc, 256)
         template = llama_cpp.llama_model_chat_template(m, None)
         return ModelFacts(
             path=self.path,
-            description=desc.value.decode("utf-8", "replace"),
             architecture=arch,
             n_layer=int(llama_cpp.llama_model_n_layer(m)),
             n_head=n_head,
@@ -350,7 +341,6 @@ class Model:
             n_vocab=int(llama_cpp.llama_vocab_n_tokens(self._vocab_p)),
             n_ctx_train=int(llama_cpp.llama_model_n_ctx_train(m)),
             weights_bytes=int(llama_cpp.llama_model_size(m)),
-            n_params=int(llama_cpp.llama_model_n_params(m)),
             chat_template=template.decode("utf-8", "replace") if template else None,
             recurrent=bool(llama_cpp.llama_model_is_recurrent(m) or llama_cpp.llama_model_is_hybrid(m)),
         )

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 
+from edgespec.config import DEFAULT_N_BATCH, DEFAULT_N_CTX, MAX_K
 from edgespec.errors import InvalidRequestError, OutOfMemoryError
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,6 @@ MiB = 1 << 20
 # Bytes per KV element by llama.cpp cache type.
 KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 MIN_CTX = 256  # llama.cpp pads smaller contexts up to this
-K_MAX_CAP = 63  # most draft tokens per cycle the controller will consider (a batch of 64)
 HEADROOM = 0.9  # plan within 90% of what is free: the OS, Python and llama.cpp's own arrays need room
 OVERHEAD_BYTES = 64 * MiB  # per context: graph metadata, sampler and Python-side arrays
 
@@ -95,19 +95,23 @@ def plan(
     budget: Budget,
     *,
     n_ctx: int | None = None,
-    k_max: int = K_MAX_CAP,
-    n_ubatch: int = 512,
+    k_max: int = MAX_K,
+    n_ubatch: int = DEFAULT_N_BATCH,
     kv_type: str = "f16",
 ) -> Plan:
-    """Choose the context size, whether the draft loads, where layers go, and Kmax.
+    """Choose the context size, whether the draft loads, where layers go, and Kmax (at most `k_max`).
 
     The whole model set lives in one pool: VRAM (or unified memory) when there
     is a GPU, else RAM. With a GPU too small for both, the draft goes to the CPU.
+    A verify batch of Kmax+1 tokens is one llama_decode of at most `n_ubatch` tokens,
+    with a logits row per token; Kmax shrinks before the target is refused.
     """
     gpu = budget.gpu_bytes > 0
     pool = int((budget.gpu_bytes if gpu else budget.ram_bytes) * HEADROOM)
-    want_ctx = max(n_ctx or min(target.n_ctx_train, 4096), MIN_CTX)  # llama.cpp pads smaller ones up anyway
-    rows = max(0, k_max) + 1
+    want_ctx = max(n_ctx or min(target.n_ctx_train, DEFAULT_N_CTX), MIN_CTX)  # llama.cpp pads smaller ones up
+    notes: list[str] = []
+    k_max = _k_max(target, pool, k_max, n_ubatch, kv_type, notes)
+    rows = k_max + 1
 
     def fixed(m: ModelMemory) -> int:
         return m.weights_bytes + m.compute_bytes(n_ubatch) + m.logits_bytes(rows)
@@ -121,7 +125,6 @@ def plan(
             f"but {_gib(pool)} of {budget.device} memory is usable: {_gib(need_min - pool)} missing; "
             f"try a smaller quantization (e.g. Q4_K_S or Q3_K_M), a smaller model, or --memory-budget if detection is wrong"
         )
-    notes: list[str] = []
     ctx = min(want_ctx, (pool - fixed(target)) // kv_t)
     if ctx < want_ctx:
         notes.append(f"context reduced from {want_ctx} to {ctx} tokens to fit {_gib(pool)}")
@@ -140,15 +143,30 @@ def plan(
             notes.append(f"draft {draft.name} not loaded: it needs {_gib(fixed(draft) + kv_d * ctx)} more than the "
                          f"{_gib(pool - fixed(target) - kv_t * ctx)} left after the target")
 
-    items = [(f"{target.name} weights", target.weights_bytes), (f"{target.name} KV cache ({ctx} tokens, {kv_type})", kv_t * ctx),
-             (f"{target.name} compute buffers", target.compute_bytes(n_ubatch)),
-             (f"{target.name} logits ({rows} rows)", target.logits_bytes(rows))]
+    items = _items(target, ctx, rows, n_ubatch, kv_type)
     if draft is not None and load_draft:
-        items += [(f"{draft.name} weights", draft.weights_bytes),
-                  (f"{draft.name} KV cache ({ctx} tokens, {kv_type})", draft.kv_bytes_per_token(kv_type) * ctx),
-                  (f"{draft.name} compute buffers", draft.compute_bytes(n_ubatch)),
-                  (f"{draft.name} logits ({rows} rows)", draft.logits_bytes(rows))]
+        items += _items(draft, ctx, rows, n_ubatch, kv_type)
     return Plan(budget, int(ctx), k_max, load_draft, target.n_layer if gpu else 0, draft_gpu_layers, items, notes)
+
+
+def _k_max(target: ModelMemory, pool: int, k_max: int, n_ubatch: int, kv_type: str, notes: list[str]) -> int:
+    """The most tokens per cycle, at most `k_max`: a verify batch must fit one ubatch, its logits rows the pool."""
+    k_max = max(0, min(k_max, MAX_K))
+    if k_max + 1 > n_ubatch:
+        notes.append(f"Kmax lowered from {k_max} to {n_ubatch - 1}: a verify batch must fit one batch of {n_ubatch}")
+        k_max = n_ubatch - 1
+    spare_rows = (pool - target.weights_bytes - target.compute_bytes(n_ubatch)
+                  - target.kv_bytes_per_token(kv_type) * MIN_CTX) // target.logits_bytes(1)
+    if 1 <= spare_rows < k_max + 1:
+        notes.append(f"Kmax lowered from {k_max} to {spare_rows - 1}: logits rows for more do not fit {_gib(pool)}")
+        k_max = int(spare_rows) - 1
+    return k_max
+
+
+def _items(m: ModelMemory, ctx: int, rows: int, n_ubatch: int, kv_type: str) -> list[tuple[str, int]]:
+    return [(f"{m.name} weights", m.weights_bytes),
+            (f"{m.name} KV cache ({ctx} tokens, {kv_type})", m.kv_bytes_per_token(kv_type) * ctx),
+            (f"{m.name} compute buffers", m.compute_bytes(n_ubatch)), (f"{m.name} logits ({rows} rows)", m.logits_bytes(rows))]
 
 
 def _gib(n: float) -> str:

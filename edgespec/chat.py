@@ -83,7 +83,7 @@ class ChatSession:
         except BaseException:
             self.turns.pop()
             raise
-        room = self.engine.target.n_ctx - len(tokens)
+        room = self.engine.n_ctx - len(tokens)
         config = replace(self.config, max_tokens=min(self.config.max_tokens, room))
         answer: list[str] = []
         try:
@@ -97,7 +97,7 @@ class ChatSession:
 
     def _fit(self) -> list[int]:
         """The prompt tokens, after dropping the oldest turns until an answer has room."""
-        n_ctx = self.engine.target.n_ctx
+        n_ctx = self.engine.n_ctx
         want = min(self.config.max_tokens, n_ctx // 4)
         tokens = self.engine.chat_tokens(self.messages())
         dropped = 0

@@ -12,28 +12,33 @@ from typing import Any, Callable
 
 import click
 
+from edgespec.budget import parse_size
 from edgespec.config import (
+    DEFAULT_HOST,
     DEFAULT_K,
+    DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_TOKENS,
     DEFAULT_MIN_P,
     DEFAULT_N_CTX,
+    DEFAULT_PORT,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
     FLASH_ATTN,
+    MAX_K,
+    PROPOSERS,
+    SHUTDOWN_GRACE_SECONDS,
+    EngineConfig,
     GenerationConfig,
     LoadConfig,
-    SHUTDOWN_GRACE_SECONDS,
     SamplingConfig,
     default_threads,
 )
-from edgespec.budget import parse_size
 from edgespec.errors import EdgespecError
 from edgespec.models import DEFAULT_MODEL, MODELS, PAIRS, FetchProgress, cache_dir, cached_path
 from edgespec.models import fetch as fetch_model
 from edgespec.models import remove as remove_model
 from edgespec.models.store import SOURCES
-from edgespec.proposers import PROPOSERS
 
 
 def _errors(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -97,7 +102,8 @@ _engine_options = _options(
     _source_option,
 )
 _sampling_options = _options(
-    click.option("-n", "--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, show_default=True),
+    click.option("-n", "--max-tokens", type=int, default=None,
+                 help=f"Most tokens to generate [default: {DEFAULT_MAX_TOKENS}; chat: until the context is full]."),
     click.option("-t", "--temperature", type=float, default=DEFAULT_TEMPERATURE, show_default=True,
                  help="0 is greedy decoding."),
     click.option("--top-k", type=int, default=DEFAULT_TOP_K, show_default=True),
@@ -108,8 +114,9 @@ _sampling_options = _options(
 )
 
 
-def _generation_config(o: dict[str, Any]) -> GenerationConfig:
-    return GenerationConfig(max_tokens=o["max_tokens"], sampling=SamplingConfig(
+def _generation_config(o: dict[str, Any], max_tokens: int = DEFAULT_MAX_TOKENS) -> GenerationConfig:
+    """The sampling options; `max_tokens` is the command's default when -n is not given."""
+    return GenerationConfig(max_tokens=max_tokens if o["max_tokens"] is None else o["max_tokens"], sampling=SamplingConfig(
         temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"], seed=o["seed"]))
 
 
@@ -145,20 +152,25 @@ def _progress(show: bool) -> _FetchBar | None:
     return _FetchBar() if show else None
 
 
+def _engine_config(o: dict[str, Any], mmap: bool = True) -> EngineConfig:
+    """The EngineConfig the engine options describe; `mmap` is the command's default for --mmap."""
+    return EngineConfig(o["model"], o["draft"], o["proposer"], o["k"],
+                        LoadConfig(n_ctx=o["n_ctx"], n_threads=default_threads() if o["threads"] is None
+                                   else o["threads"], flash_attn=o["flash_attn"],
+                                   mmap=mmap if o["mmap"] is None else o["mmap"]),
+                        parse_size(o["memory_budget"]) if o["memory_budget"] else None, o["source"])
+
+
 def _open_engine(o: dict[str, Any], mmap: bool = True):
     """Load the engine the options describe, telling a person what happens unless --quiet."""
     from edgespec.engine import Engine
 
     show = not o["quiet"]
+    config = _engine_config(o, mmap)
     if show:
         click.echo(click.style(f"loading {o['model']}" + (f" + {o['draft']}" if o["draft"] else "") + " …", dim=True),
                    err=True)
-    engine = Engine(o["model"], draft=o["draft"], proposer=o["proposer"], k=o["k"],
-                    load=LoadConfig(n_ctx=o["n_ctx"], n_threads=default_threads() if o["threads"] is None
-                                    else o["threads"], flash_attn=o["flash_attn"],
-                                    mmap=mmap if o["mmap"] is None else o["mmap"]),
-                    memory_budget=parse_size(o["memory_budget"]) if o["memory_budget"] else None,
-                    source=o["source"], progress=_progress(show))
+    engine = Engine(config, progress=_progress(show))
     if show:
         for note in engine.notes:
             click.echo(click.style(f"note: {note}", fg="yellow"), err=True)
@@ -249,10 +261,9 @@ def chat_cmd(system: str | None, interactive: bool | None, **o: Any) -> None:
     """Talk with a model; tokens stream as they are accepted. Piped input gets one answer."""
     from edgespec.chat import ChatSession
 
-    if o["max_tokens"] == DEFAULT_MAX_TOKENS:
-        o["max_tokens"] = 4096  # in a chat the context, not a fixed number, bounds an answer
     with _open_engine(o) as engine:
-        session = ChatSession(engine, _generation_config(o), system=system, stop=o["stop"])
+        # In a chat the context, not a fixed number, bounds an answer (unless -n says otherwise).
+        session = ChatSession(engine, _generation_config(o, max_tokens=engine.n_ctx), system=system, stop=o["stop"])
         if not (sys.stdin.isatty() if interactive is None else interactive):
             text = _read_stdin().strip()
             if text:
@@ -311,18 +322,18 @@ def _answer(session: Any, text: str, quiet: bool) -> None:
 
 @cli.command()
 @_engine_options
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; anything but loopback needs --api-key.")
-@click.option("--port", type=int, default=8012, show_default=True)
+@click.option("--host", default=DEFAULT_HOST, show_default=True,
+              help="Address to bind; anything but loopback needs --api-key.")
+@click.option("--port", type=int, default=DEFAULT_PORT, show_default=True)
 @click.option("--api-key", default=None, envvar="EDGESPEC_API_KEY", help="Require 'Authorization: Bearer KEY' (env EDGESPEC_API_KEY).")
 @click.option("--cors-origin", "cors_origins", multiple=True, help="Allow browser requests from this origin (repeatable); none by default.")
-@click.option("--max-body-bytes", type=int, default=4 << 20, show_default=True)
+@click.option("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, show_default=True)
 @click.option("--infill-cancel-older", is_flag=True, help="A newer /infill request cancels older ones still running.")
 @click.option("--shutdown-grace", type=click.FloatRange(min=0), default=SHUTDOWN_GRACE_SECONDS, show_default=True,
               help="Seconds requests in flight get after SIGTERM or Ctrl-C before they are cancelled.")
-@click.option("--no-prefix-reuse", is_flag=True, hidden=True, help="Evaluate every prompt from scratch (benchmarks).")
 @_errors
 def serve(host: str, port: int, api_key: str | None, cors_origins: tuple[str, ...], max_body_bytes: int,
-          infill_cancel_older: bool, shutdown_grace: float, no_prefix_reuse: bool, **o: Any) -> None:
+          infill_cancel_older: bool, shutdown_grace: float, **o: Any) -> None:
     """Serve OpenAI-compatible and llama.cpp-style (/infill, /completion) endpoints."""
     try:
         from edgespec.server import Settings, create_app, is_loopback, serve as run_server
@@ -337,20 +348,16 @@ def serve(host: str, port: int, api_key: str | None, cors_origins: tuple[str, ..
     if not o["quiet"]:
         click.echo(click.style(f"edgespec serving {o['model']} on http://{host}:{port} (GET /health is 503 until "
                                f"the model is loaded)", dim=True), err=True)
-    def load() -> Any:
-        engine = _open_engine({**o, "quiet": True}, mmap=False)
-        engine.reuse_prefix = not no_prefix_reuse
-        return engine
-
-    app = create_app(settings, load)
+    app = create_app(settings, lambda: _open_engine({**o, "quiet": True}, mmap=False))
     run_server(app, settings, log_level="warning" if o["quiet"] else "info", grace=shutdown_grace)
 
 
 @cli.command("plan")
 @click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Catalog name or path of a GGUF file.")
 @click.option("-d", "--draft", default=None, help="Draft model to plan for.")
-@click.option("--ctx", "n_ctx", type=int, default=None, help="Wanted context size [default: up to 4096].")
-@click.option("-k", "--k", "k", type=int, default=None, help="Most draft tokens per cycle [default: 15].")
+@click.option("--ctx", "n_ctx", type=int, default=None, help=f"Wanted context size [default: up to {DEFAULT_N_CTX}].")
+@click.option("-k", "--k", "k", type=int, default=None,
+              help=f"Most tokens proposed per cycle; the plan may lower it [default: {MAX_K}].")
 @click.option("--memory-budget", default=None, help="Memory the models may use, e.g. 6GiB [default: detected].")
 @click.option("--json", "as_json", is_flag=True)
 @_source_option
@@ -358,16 +365,16 @@ def serve(host: str, port: int, api_key: str | None, cors_origins: tuple[str, ..
 def plan_cmd(model: str, draft: str | None, n_ctx: int | None, k: int | None, memory_budget: str | None,
              as_json: bool, source: str | None) -> None:
     """Show how target and draft fit this machine's memory: context, draft, layers, Kmax."""
-    from edgespec.backend import read_facts, supports_gpu_offload
-    from edgespec.budget import K_MAX_CAP, detect_budget, plan
-    from edgespec.engine import memory_of
+    from edgespec.engine import plan_memory
     from edgespec.models import resolve
 
-    facts = read_facts(resolve(model, source=source, progress=_progress(not as_json)))
-    dfacts = read_facts(resolve(draft, source=source, progress=_progress(not as_json))) if draft else None
-    budget = detect_budget(supports_gpu_offload(), parse_size(memory_budget) if memory_budget else None)
-    p = plan(memory_of(facts), memory_of(dfacts) if dfacts else None, budget, n_ctx=n_ctx,
-             k_max=K_MAX_CAP if k is None else k)
+    config = EngineConfig(model, draft, k=k, load=LoadConfig(n_ctx=n_ctx), source=source,
+                          memory_budget=parse_size(memory_budget) if memory_budget else None)
+    progress = _progress(not as_json)
+    p = plan_memory(resolve(model, source=source, progress=progress),
+                    resolve(draft, source=source, progress=progress) if draft else None, config.load, config.k_max,
+                    config.memory_budget)
+    budget = p.budget
     if as_json:
         click.echo(json.dumps(p.to_dict(), indent=2))
         return

@@ -6,21 +6,35 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from edgespec.errors import InvalidRequestError
 
+DEFAULT_MODEL = "qwen2.5-coder-1.5b"  # a catalog name (models/catalog.py)
 DEFAULT_N_CTX = 4096
 DEFAULT_N_BATCH = 512
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_K = 4  # most tokens proposed per cycle by a fixed proposer
-MAX_K = 63
+MAX_K = 63  # most tokens proposed per cycle by any proposer: a verify batch of 64
+PROPOSERS = ("auto", "none", "ngram", "draft")
 # llama.cpp's defaults for the filters; temperature 0 (greedy) as in mlx-lm,
 # so a plain `edgespec generate` is reproducible.
 DEFAULT_TEMPERATURE = 0.0
 DEFAULT_TOP_K = 40
 DEFAULT_TOP_P = 0.95
 DEFAULT_MIN_P = 0.05
-# After SIGTERM the server gives requests in flight this long, then cancels them (streams still end properly).
+# The server. After SIGTERM it gives requests in flight this long, then cancels them (streams still end properly).
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8012  # llama.vim's and llama.vscode's default endpoint
+DEFAULT_MAX_BODY_BYTES = 4 << 20
 SHUTDOWN_GRACE_SECONDS = 10.0
+# Per-route defaults, as each API documents its own: OpenAI's completions stop at 16 tokens and sample at
+# temperature 1; a chat answer is bounded by the room left (and this); llama.cpp's routes sample at 0.8.
+OPENAI_COMPLETIONS_MAX_TOKENS = 16
+OPENAI_CHAT_MAX_TOKENS = 1024
+OPENAI_TEMPERATURE = 1.0
+LLAMA_N_PREDICT = 128
+LLAMA_TEMPERATURE = 0.8
 
 
 def default_threads() -> int:
@@ -67,7 +81,7 @@ class SamplingConfig:
     top_k: int = DEFAULT_TOP_K  # 0 disables
     top_p: float = DEFAULT_TOP_P  # 1 disables
     min_p: float = DEFAULT_MIN_P  # 0 disables
-    seed: int | None = None
+    seed: int | None = None  # None or -1 (llama.cpp's "random"): a fresh seed; any other int64 reproduces
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -83,12 +97,44 @@ class SamplingConfig:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def rng(self) -> np.random.Generator:
+        """The generator this config samples with; a negative seed is taken as its 64-bit two's complement."""
+        return np.random.default_rng(None if self.seed in (None, -1) else self.seed % 2**64)
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
     max_tokens: int = DEFAULT_MAX_TOKENS
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # Keep the KV prefix this prompt shares with the previous one (llama.cpp's cache_prompt).
+    reuse_prefix: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens {self.max_tokens} must be >= 1")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an Engine loads: the one schema the Python API, the CLI and the server fill in."""
+
+    model: str = DEFAULT_MODEL  # a catalog name or a GGUF path
+    draft: str | None = None
+    proposer: str = "auto"  # one of PROPOSERS
+    k: int | None = None  # most tokens per cycle; None: the memory plan's Kmax for auto, DEFAULT_K otherwise
+    load: LoadConfig = field(default_factory=LoadConfig)
+    memory_budget: int | None = None  # bytes the models may use; None: detected
+    source: str | None = None  # where catalog models come from (models.store.SOURCES); None: auto
+
+    def __post_init__(self) -> None:
+        if self.proposer not in PROPOSERS:
+            raise InvalidRequestError(f"unknown proposer {self.proposer!r}; use one of {', '.join(PROPOSERS)}")
+        if self.proposer == "draft" and self.draft is None:
+            raise InvalidRequestError("proposer 'draft' needs a draft model; pass --draft NAME|PATH")
+        if self.k is not None and not 0 <= self.k <= MAX_K:
+            raise InvalidRequestError(f"k {self.k} must be in 0..{MAX_K} (0 turns speculation off)")
+
+    @property
+    def k_max(self) -> int:
+        """The most tokens per cycle asked for: -k, else MAX_K for auto and DEFAULT_K for a fixed proposer."""
+        return self.k if self.k is not None else MAX_K if self.proposer == "auto" else DEFAULT_K

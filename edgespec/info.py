@@ -12,8 +12,9 @@ def machine_info() -> dict[str, Any]:
     import psutil
 
     from edgespec import backend
-    from edgespec.budget import K_MAX_CAP, GiB, detect_budget, plan
-    from edgespec.engine import memory_of
+    from edgespec.budget import GiB
+    from edgespec.config import MAX_K, LoadConfig
+    from edgespec.engine import plan_memory
     from edgespec.errors import EdgespecError
     from edgespec.models import DEFAULT_MODEL, MODELS, PAIRS, cache_dir, cached_path
 
@@ -37,9 +38,8 @@ def machine_info() -> dict[str, Any]:
         data["memory plan"] = f"fetch {DEFAULT_MODEL} to see its plan (edgespec models fetch {DEFAULT_MODEL})"
         return data
     try:
-        budget = detect_budget(backend.supports_gpu_offload())
-        p = plan(memory_of(backend.read_facts(tp)), memory_of(backend.read_facts(dp)) if dp else None, budget,
-                 k_max=K_MAX_CAP)
+        p = plan_memory(tp, dp, LoadConfig(), MAX_K)
+        budget = p.budget
         data["memory plan"] = [f"{DEFAULT_MODEL}" + (f" + {draft.name}" if dp else "") +
                                f" on {budget.device}: context {p.n_ctx}, Kmax {p.k_max}, draft "
                                f"{'loaded' if p.load_draft else 'not loaded'}, {p.total_bytes / GiB:.2f} GiB of "

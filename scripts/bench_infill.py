@@ -4,7 +4,8 @@ A real source file is "typed" again: at each step the cursor moves a few words
 into one of its functions and the editor asks for a completion (prefix up to
 the cursor, suffix after it, as llama.vim sends). Four servers run at once on
 127.0.0.1 (prefix reuse on/off x speculation auto/none) and every step goes to
-each in turn, so all four see the same machine load.
+each in turn, so all four see the same machine load. Without reuse, each request
+says `"cache_prompt": false`, as llama.cpp's clients can.
 
     python scripts/bench_infill.py --steps 40
 """
@@ -15,7 +16,6 @@ import argparse
 import inspect
 import json
 import statistics
-import subprocess
 import sys
 import textwrap
 import time
@@ -25,10 +25,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from test_server import free_port  # noqa: E402
+from test_server import Server  # noqa: E402
 
-CONFIGS = {"reuse+auto": [], "reuse, no spec": ["--proposer", "none"], "no reuse+auto": ["--no-prefix-reuse"],
-           "no reuse, no spec": ["--no-prefix-reuse", "--proposer", "none"]}
+# name: (server options, the requests' cache_prompt)
+CONFIGS = {"reuse+auto": ([], True), "reuse, no spec": (["--proposer", "none"], True),
+           "no reuse+auto": ([], False), "no reuse, no spec": (["--proposer", "none"], False)}
 
 
 def editing_steps(n: int, words_per_step: int = 3) -> list[tuple[str, str]]:
@@ -47,23 +48,9 @@ def editing_steps(n: int, words_per_step: int = 3) -> list[tuple[str, str]]:
     return steps
 
 
-def start(model: str, extra: list[str], threads: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "edgespec.cli", "serve", "-m", model, "--port", str(port),
-                             "--threads", str(threads), "--ctx", "4096", "-q", *extra])
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(1500):
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
-
-
-def infill(url: str, prefix: str, suffix: str, n_predict: int) -> tuple[float, float, int]:
-    body = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": n_predict, "temperature": 0, "stream": True}
+def infill(url: str, prefix: str, suffix: str, n_predict: int, cache_prompt: bool) -> tuple[float, float, int]:
+    body = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": n_predict, "temperature": 0, "stream": True,
+            "cache_prompt": cache_prompt}
     t0 = time.perf_counter()
     first = None
     n = 0
@@ -88,16 +75,17 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/bench/infill.json"))
     args = ap.parse_args()
 
-    servers = {name: start(args.model, extra, args.threads) for name, extra in CONFIGS.items()}
+    servers = {name: Server(args.model, "--ctx", "4096", "--threads", str(args.threads), *extra)
+               for name, (extra, _) in CONFIGS.items()}
     results: dict[str, list[tuple[float, float, int]]] = {name: [] for name in CONFIGS}
     try:
         for i, (prefix, suffix) in enumerate(editing_steps(args.steps)):
-            for name, (_, url) in servers.items():
-                results[name].append(infill(url, prefix, suffix, args.n_predict))
+            for name, server in servers.items():
+                results[name].append(infill(server.url, prefix, suffix, args.n_predict, CONFIGS[name][1]))
             print(f"step {i + 1}: " + ", ".join(f"{n} {r[-1][1]:.2f}s" for n, r in results.items()), file=sys.stderr)
     finally:
-        for proc, _ in servers.values():
-            proc.terminate()
+        for server in servers.values():
+            server.stop()
 
     base = "no reuse, no spec"
     med = {n: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs)) for n, rs in results.items()}

@@ -85,23 +85,24 @@ def main() -> None:
     prompts = workloads.spec_bench(args.per_category) + workloads.code_edits(args.code_edits)
     config = GenerationConfig(max_tokens=args.max_tokens)
 
-    rows = []
+    rows, prompt_tokens = [], []
     t_start = time.time()
     for i, (category, text) in enumerate(prompts):
         # every engine loads the same target, so the templated prompt is the same for all
         messages = [{"role": "user", "content": text}]
         tokens = plain.chat_tokens(messages)
+        prompt_tokens.append(tokens)
         for rep in range(args.repeats):
             order = modes if rep % 2 == 0 else modes[::-1]
             if args.whole_runs:
                 timed = {}
                 for name, k in order:
-                    s = by_mode[(name, k)].generate(tokens, config).stats
-                    timed[(name, k)] = (s, s.decode_seconds)
+                    out = by_mode[(name, k)].generate(tokens, config)
+                    timed[(name, k)] = (out.stats, out.stats.decode_seconds, out.tokens)
             else:
                 timed = lockstep({mode: by_mode[mode] for mode in order}, tokens, config)
-            for (name, k), (s, seconds) in timed.items():
-                rows.append(stats_row(category, i, rep, f"{name}:{k}" if k else name, s, seconds))
+            for (name, k), (s, seconds, output) in timed.items():
+                rows.append(stats_row(category, i, rep, f"{name}:{k}" if k else name, s, seconds, output))
         if tool is not None and category == "code-edit":
             prompt_text = plain.chat_text(messages)
             lengths: dict[str, int] = {}
@@ -119,8 +120,9 @@ def main() -> None:
                                          "mode": f"llama.cpp {spec}", "tokens": n, "seconds": secs,
                                          "drafted": drafted, "accepted": accepted, "cycles": 0})
                         else:
-                            s = auto.generate(tokens, GenerationConfig(max_tokens=lengths[spec] + 1)).stats
-                            rows.append(stats_row(category, i, rep, f"auto, {spec} length", s, s.decode_seconds))
+                            out = auto.generate(tokens, GenerationConfig(max_tokens=lengths[spec] + 1))
+                            rows.append(stats_row(category, i, rep, f"auto, {spec} length", out.stats,
+                                                  out.stats.decode_seconds, out.tokens))
         print(f"[{i + 1}/{len(prompts)}] {category} done, {time.time() - t_start:.0f}s", file=sys.stderr)
 
     mode_names = [f"{n}:{k}" if k else n for n, k in modes]
@@ -132,15 +134,17 @@ def main() -> None:
               " slows one repeat, not both)")
         report(fastest_repeats(rows), mode_names)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=1))
+    args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows,
+                                         "prompts": prompt_tokens}, indent=1))
     if args.plot:
         plot(rows, mode_names, args.out.with_suffix(".png"))
 
 
-def stats_row(category: str, prompt: int, repeat: int, mode: str, s, seconds: float) -> dict:
+def stats_row(category: str, prompt: int, repeat: int, mode: str, s, seconds: float, output: list[int]) -> dict:
     return {"category": category, "prompt": prompt, "repeat": repeat, "mode": mode, "tokens": s.completion_tokens - 1,
             "seconds": seconds, "drafted": s.drafted, "accepted": s.accepted, "cycles": s.cycles,
-            "accepted_at": s.accepted_at, "drafted_at": s.drafted_at, "by_proposer": s.cycles_by_proposer}
+            "accepted_at": s.accepted_at, "drafted_at": s.drafted_at, "by_proposer": s.cycles_by_proposer,
+            "output": list(output)}
 
 
 def lockstep(engines: dict, tokens: list[int], config: GenerationConfig) -> dict:
@@ -148,20 +152,21 @@ def lockstep(engines: dict, tokens: list[int], config: GenerationConfig) -> dict
 
     Each engine's decode time is the sum of its own cycles, so a slow spell of the machine
     (other tenants, frequency) falls on all of them at the same positions of the answer
-    instead of on whichever whole run it hit. Returns {key: (stats, decode seconds)}.
+    instead of on whichever whole run it hit. Returns {key: (stats, decode seconds, output tokens)}.
     """
     streams = {key: e.stream(tokens, config) for key, e in engines.items()}
-    done, made, seconds = {}, {}, dict.fromkeys(streams, 0.0)
+    done, seconds = {}, dict.fromkeys(streams, 0.0)
+    outputs: dict = {key: [] for key in streams}
     for key, stream in streams.items():
-        made[key] = len(next(stream).tokens)  # prefill and the first token: not decode time
+        outputs[key] += next(stream).tokens  # prefill and the first token: not decode time
     while len(done) < len(streams):
-        key = min((k for k in streams if k not in done), key=lambda k: made[k])
+        key = min((k for k in streams if k not in done), key=lambda k: len(outputs[k]))
         t = time.perf_counter()
         chunk = next(streams[key])
         seconds[key] += time.perf_counter() - t
-        made[key] += len(chunk.tokens)
+        outputs[key] += chunk.tokens
         if chunk.stats is not None:
-            done[key] = (chunk.stats, seconds[key])
+            done[key] = (chunk.stats, seconds[key], outputs[key])
     return {key: done[key] for key in engines}
 
 

@@ -4,15 +4,16 @@
     python scripts/replay_auto.py replay bench-results/traces.json [--curve 1,1.5,...] [--calibrated 1,1.4,...]
 
 `record` decodes the benchmark prompts (scripts/workloads.py) with plain greedy
-decoding. `replay` feeds each output, cycle by cycle, through the real
-AutoProposer: what it proposes is accepted as far as it matches the recorded
-output, and every cycle is charged t(B) from a curve in single steps (B = 1, 2,
-4, ..., 64); `auto` starts from the `--calibrated` curve (by default the
-same) and corrects it from the charged passes, as it does live; with `--load F
---spell N` the passes it sees cost F times as much in every other spell of N
-passes (load from elsewhere), while the cost reported stays the curve's. It
-also prints an oracle that knows how far each lookup proposal will be accepted
-and takes the best batch size for it: the ceiling for this proposer. Kernel flips under
+decoding. `replay` runs each output through the engine's own loop (edgespec.loop)
+with the real AutoProposer over a stand-in target that "verifies" against the
+recorded output: what auto proposes is accepted as far as it matches, and every
+pass is charged t(B) from a curve in single steps (B = 1, 2, 4, ..., 64) on a
+simulated clock. `auto` starts from the `--calibrated` curve (by default the
+same) and corrects it from the passes it sees, as it does live; with `--load F
+--spell N` those passes cost F times as much in every other spell of N passes
+(load from elsewhere), while the cost reported stays the curve's. It also prints
+an oracle that knows how far each lookup proposal will be accepted and takes the
+best batch size for it: the ceiling for this proposer. Kernel flips under
 batched verification are not modelled (the replayed output is always the
 recorded one), so absolute figures read a little high; comparisons between
 versions of the chooser are what it is for.
@@ -24,13 +25,18 @@ import argparse
 import itertools
 import json
 import sys
+import threading
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
+import numpy as np
 import workloads
 
-from edgespec.controller import CALIBRATION_BATCHES, CONFIDENCE_Z, Costs, CostTracker
+from edgespec import loop
+from edgespec.config import MAX_K, GenerationConfig
+from edgespec.costs import CALIBRATION_BATCHES, CostTracker
+from edgespec.policy import CONFIDENCE_Z, Costs
 from edgespec.proposers.auto import AutoProposer
 from edgespec.proposers.ngram import NgramProposer
 
@@ -52,27 +58,74 @@ def record(args: argparse.Namespace) -> None:
     args.out.write_text(json.dumps(traces))
 
 
-def replay_one(prompt: list[int], out: list[int], curve: dict[int, float], proposer: AutoProposer | None,
+class RecordedTarget:
+    """A stand-in target whose every logits row puts the recorded next token on top.
+
+    Ids are remapped to a dense vocabulary (`ids`) so that rows stay small; the end of the
+    recording predicts an end-of-generation token. Each pass after the prefill advances
+    `clock` by its curve cost times `load()` (what auto sees) and `cost` by the curve's.
+    """
+
+    def __init__(self, sequence: Sequence[int], curve: dict[int, float], load: Callable[[], float]) -> None:
+        self.seq, self.curve, self.load = list(sequence), curve, load
+        self.eog = max(self.seq) + 1
+        self.n_ctx = len(self.seq) + max(curve) + 1
+        self.n_past, self.clock, self.cost, self.passes = 0, 0.0, 0.0, 0
+
+    def decode(self, tokens: Sequence[int], n_outputs: int = 1) -> np.ndarray:
+        start = self.n_past
+        self.n_past += len(tokens)
+        if self.passes:
+            self.clock += self.curve[len(tokens)] * self.load()
+            self.cost += self.curve[len(tokens)]
+        self.passes += 1
+        rows = np.zeros((n_outputs, self.eog + 1), dtype=np.float32)
+        for r, pos in enumerate(range(self.n_past - n_outputs, self.n_past)):
+            rows[r, self.seq[pos + 1] if pos + 1 < len(self.seq) else self.eog] = 1.0
+        assert tokens[0] == self.seq[start], "the loop decoded a token the recording does not have"
+        return rows
+
+    def trim(self, n_keep: int) -> int:
+        self.n_past = min(self.n_past, n_keep)
+        return self.n_past
+
+    def keep_prefix_of(self, tokens: Sequence[int]) -> int:
+        return self.trim(0)
+
+    def is_eog(self, token: int) -> bool:
+        return token == self.eog
+
+
+def dense(traces: list[dict]) -> list[tuple[list[int], list[int]]]:
+    """(prompt, output) of every trace in one dense id space shared by all traces."""
+    ids: dict[int, int] = {}
+    remap = lambda ts: [ids.setdefault(t, len(ids)) for t in ts]  # noqa: E731
+    return [(remap(tr["prompt"]), remap(tr["output"])) for tr in traces]
+
+
+def replay_one(prompt: list[int], out: list[int], curve: dict[int, float], auto: AutoProposer,
                load: Callable[[], float] = lambda: 1.0) -> float:
-    """Cost in single steps of generating `out` after `prompt`; the oracle when `proposer` is None."""
-    source = proposer if proposer is not None else NgramProposer(lambda t: False)
+    """Cost in single steps of generating `out` after `prompt` with `auto`, through the engine's loop."""
+    target = RecordedTarget(prompt + out, curve, load)
+    steps = loop.steps(target, auto, prompt, GenerationConfig(max_tokens=len(out)), loop.Stats(),
+                       threading.Event(), min(MAX_K, max(curve) - 1), clock=lambda: target.clock)
+    made = [t for tokens, _, _ in steps for t in tokens]
+    assert made == out, "the replay left the recorded output"
+    return target.cost
+
+
+def oracle_one(prompt: list[int], out: list[int], curve: dict[int, float]) -> float:
+    """Cost in single steps with lookup and, each cycle, the batch size that commits most per step."""
+    lookup = NgramProposer(lambda t: False)
     committed = prompt + out[:1]
-    source.begin(committed, None, None)
+    lookup.begin(committed)
     pos, cost = 1, 0.0
     while pos < len(out):
-        k = min(max(curve) - 1, len(out) - pos - 1)  # the engine also stops drafting at max_tokens
-        draft = source.propose(committed, k).tokens[:k] if k > 0 else []
-        n = 0
-        while n < len(draft) and draft[n] == out[pos + n]:
-            n += 1
-        if proposer is None:  # the oracle: the batch size with the most committed tokens per step
-            b = max((b for b in curve if b <= k + 1), key=lambda b: (min(b - 1, n) + 1) / curve[b])
-            n = min(b - 1, n)
-        else:
-            b = len(draft) + 1
-            proposer.cost_tracker.observe(b, curve[b] * load())
-            if k > 0:
-                proposer.accept(n)
+        k = min(max(curve) - 1, len(out) - pos - 1)
+        draft = lookup.propose(committed, k).tokens if k > 0 else []
+        n = next((i for i, t in enumerate(draft) if t != out[pos + i]), len(draft))
+        b = max((b for b in curve if b <= k + 1), key=lambda b: (min(b - 1, n) + 1) / curve[b])
+        n = min(b - 1, n)
         cost += curve[b]
         committed = committed + out[pos : pos + n + 1]
         pos += n + 1
@@ -85,20 +138,19 @@ def replay(args: argparse.Namespace) -> None:
     costs = Costs(tuple(curve), tuple(calibrated))
     traces = json.loads(args.traces.read_text())
     # One proposer for all prompts, as in the benchmark: its estimates carry over between requests.
-    auto = AutoProposer(NgramProposer(lambda t: False), None, CostTracker(costs))
-    auto.confidence_z = args.z
+    auto = AutoProposer(NgramProposer(lambda t: False), None, CostTracker(costs), confidence_z=args.z)
     passes = itertools.count()
 
     def load() -> float:
         return args.load if (next(passes) // args.spell) % 2 else 1.0
 
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # tokens, auto steps, oracle steps
-    for tr in traces:
-        out = tr["output"][: args.max_tokens]
+    for tr, (prompt, output) in zip(traces, dense(traces)):
+        out = output[: args.max_tokens]
         t = totals[tr["category"]]
         t[0] += len(out) - 1
-        t[1] += replay_one(tr["prompt"], out, curve, auto, load)
-        t[2] += replay_one(tr["prompt"], out, curve, None)
+        t[1] += replay_one(prompt, out, curve, auto, load)
+        t[2] += oracle_one(prompt, out, curve)
     print("| category | auto ÷ plain | oracle ÷ plain |\n|---|---:|---:|")
     for cat, (n, steps, oracle) in totals.items():
         print(f"| {cat} | {n / steps:.2f}× | {n / oracle:.2f}× |")

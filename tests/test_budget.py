@@ -68,3 +68,14 @@ def test_parse_size(text, value):
 def test_parse_size_refuses_nonsense():
     with pytest.raises(InvalidRequestError, match="6GiB"):
         parse_size("six gigs")
+
+
+def test_kmax_fits_one_batch_and_the_memory_left():
+    assert plan(QWEN_15B, None, CPU_24G, n_ctx=4096).k_max == 63
+    p = plan(QWEN_15B, None, CPU_24G, n_ctx=4096, k_max=63, n_ubatch=32)
+    assert p.k_max == 31 and "a verify batch must fit one batch of 32" in p.notes[0]
+    # room for the target at the smallest context and 9 logits rows (0.58 MiB each): Kmax 8, not 63
+    need = plan(QWEN_15B, None, CPU_24G, n_ctx=256, k_max=0).total_bytes
+    p = plan(QWEN_15B, None, Budget("cpu", int((need + 8 * 151_936 * 4 + 1000) / 0.9)), n_ctx=256)
+    assert p.k_max == 8 and dict(p.rows)["qwen-1.5b logits (9 rows)"] == 9 * 151_936 * 4
+    assert "Kmax lowered from 63 to 8" in p.notes[0]

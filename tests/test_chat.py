@@ -65,6 +65,24 @@ def test_piped_chat_answers_once(smollm_path):
     assert p.stdout.strip() and STATS.search(p.stderr)
 
 
+def test_chat_keeps_an_explicit_max_tokens_and_defaults_to_the_context(smollm_path, monkeypatch):
+    from edgespec.chat import ChatSession
+
+    seen = []
+    init = ChatSession.__init__
+
+    def spy(self, engine, config, **kw):
+        seen.append((config.max_tokens, engine.n_ctx))
+        init(self, engine, config, **kw)
+
+    monkeypatch.setattr(ChatSession, "__init__", spy)
+    for extra in (["-n", "256"], []):  # 256 is generate's default, and was once taken for "not given"
+        r = CliRunner().invoke(cli, ["chat", "-m", str(smollm_path), "--proposer", "none", "--ctx", "512", "--once",
+                                     "-q", *extra], input="Hi\n")
+        assert r.exit_code == 0, r.output
+    assert seen == [(256, 512), (512, 512)]
+
+
 def test_complete_reads_stdin(smollm_path):
     r = CliRunner().invoke(cli, ["complete", "-m", str(smollm_path), "--proposer", "none", "-n", "8", "-q",
                                  "--ctx", "512"], input="The capital of France is")

@@ -7,7 +7,7 @@ from edgespec.errors import InvalidRequestError, UnsupportedModelError
 from edgespec.fim import infill_tokens
 
 PRE, SUF, MID, REP, SEP = 1001, 1002, 1003, 1004, 1005
-QWEN_LIKE = Vocab(n_tokens=2000, type=2, bos=None, eos=1, eot=1, add_bos=False, fim_pre=PRE, fim_suf=SUF,
+QWEN_LIKE = Vocab(n_tokens=2000, type=2, bos=None, eos=1, add_bos=False, fim_pre=PRE, fim_suf=SUF,
                   fim_mid=MID, fim_pad=None, fim_rep=REP, fim_sep=SEP)
 
 

@@ -17,7 +17,7 @@ from test_server import Server
 
 EXAMPLES = 120
 
-SAMPLING = ["temperature", "top_k", "top_p", "min_p", "seed", "stop", "stream", "n", "model"]
+SAMPLING = ["temperature", "top_k", "top_p", "min_p", "seed", "stop", "stream", "cache_prompt", "n", "model"]
 FIELDS = {
     "/v1/completions": ["prompt", "max_tokens", "max_completion_tokens", *SAMPLING],
     "/v1/chat/completions": ["messages", "max_tokens", "max_completion_tokens", *SAMPLING],
@@ -114,6 +114,7 @@ test_fuzz_infill = fuzz("/infill")
 
 def test_the_server_is_still_healthy_after_the_fuzzing(server):
     assert server.health()["status"] == "ok"
+    assert "unexpected error" not in server.stderr(), server.stderr()[-3000:]
     r = httpx.post(server.url + "/infill", json={"input_prefix": "def add(a, b):\n    return ", "input_suffix": "\n",
                                                  "n_predict": 4, "temperature": 0}, timeout=60)
     assert r.status_code == 200 and r.json()["content"]

@@ -66,3 +66,10 @@ def test_samples_follow_the_distribution():
 def test_invalid_settings_name_the_value(kwargs):
     with pytest.raises(InvalidRequestError, match=str(next(iter(kwargs.values())))):
         SamplingConfig(**kwargs)
+
+
+def test_seeds_as_the_apis_send_them():
+    # OpenAI takes any int64; llama.cpp's -1 means a fresh random seed (the fuzz test once found -5 a 500)
+    draw = lambda seed: SamplingConfig(seed=seed).rng().integers(0, 2**32, 4).tolist()  # noqa: E731
+    assert draw(-5) == draw(-5) == draw(2**64 - 5) and draw(7) == draw(7) != draw(-5)
+    assert draw(-1) != draw(-1) and draw(None) != draw(None)

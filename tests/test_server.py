@@ -7,6 +7,7 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -28,13 +29,15 @@ class Server:
     def __init__(self, model, *extra: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # The log goes to a file: a pipe nobody reads fills up and blocks the server at its next log line.
+        self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "edgespec.cli", "serve", "-m", str(model), "--port",
                                       str(self.port), "--threads", "2", "-q", *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         self.statuses: list[int] = []
         deadline = time.time() + 300
         while time.time() < deadline:
-            assert self.proc.poll() is None, self.proc.stderr.read()
+            assert self.proc.poll() is None, self.stderr()
             try:
                 r = httpx.get(self.url + "/health", timeout=2)
                 self.statuses.append(r.status_code)
@@ -44,6 +47,11 @@ class Server:
                 pass
             time.sleep(0.2)
         raise TimeoutError("server did not become healthy")
+
+    def stderr(self) -> str:
+        """What the server has written to stderr so far."""
+        self.log.seek(0)
+        return self.log.read()
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health").json()
@@ -144,6 +152,9 @@ def test_llama_vim_infill(qwen_server):
     again = httpx.post(qwen_server.url + "/infill", json=LLAMA_VIM_BODY, timeout=120).json()
     assert again["content"].strip()
     assert again["tokens_cached"] == again["tokens_evaluated"] - 1 and again["timings"]["prompt_n"] == 1
+    # llama.cpp's cache_prompt: false evaluates the whole prompt again
+    fresh = httpx.post(qwen_server.url + "/infill", json=LLAMA_VIM_BODY | {"cache_prompt": False}, timeout=120).json()
+    assert fresh["tokens_cached"] == 0 and fresh["timings"]["prompt_n"] == fresh["tokens_evaluated"]
 
 
 def test_native_completion_with_timings(qwen_server):
@@ -158,6 +169,7 @@ def test_native_completion_with_timings(qwen_server):
     ({"prompt": "x", "temperature": "hot"}, "'temperature' must be a number"),
     ({"prompt": "x", "top_p": 7}, "'top_p' must be between"),
     ({"prompt": "x", "n": 3}, "'n' must be 1"),
+    ({"prompt": "x", "cache_prompt": "yes"}, "'cache_prompt' must be true or false"),
     ({"prompt": 42}, "'prompt' must be a string"),
     ({"prompt": "word " * 3000, "max_tokens": 4}, "'prompt' has 3001 tokens"),
 ])

@@ -90,7 +90,7 @@ def test_sigterm_ends_streams_properly_refuses_new_requests_and_exits_0(smollm_p
         pass  # or the listening socket is already closed: refused, which a client also retries elsewhere
     rc = s.proc.wait(GRACE + 20)
     reader.join(30)
-    assert rc == 0, s.proc.stderr.read()
+    assert rc == 0, s.stderr()
     assert time.monotonic() - t0 < GRACE + 15
     assert events[-1] == "data: [DONE]"
     last = json.loads(events[-2].removeprefix("data: "))

@@ -181,7 +181,7 @@ class Scripted:
         done = len(context) - self.prompt_len
         return Proposal(list(self.script[done : done + k]))
 
-    def accept(self, n):
+    def accept(self, n, seconds):
         pass
 
     def close(self):
@@ -296,12 +296,12 @@ def test_json_reports_speculation_stats(qwen_path, qwen_draft_path):
 
 
 def test_auto_is_lossless_and_decides_about_the_draft_from_its_calibration(qwen_path, qwen_draft_path, capsys):
-    from edgespec.controller import draft_can_pay
+    from edgespec.policy import draft_can_pay
 
     with Engine(qwen_path, draft=qwen_draft_path, load=LOAD) as e:
         assert e.proposer.name == "auto"
         kept = e.proposer.draft is not None
-        assert kept == draft_can_pay(e.costs, e.k)
+        assert kept == draft_can_pay(e.costs, e.plan.k_max)
         assert kept or any("unloaded" in n for n in e.notes)
         cases = [("chat", CHAT[0]), ("code", CODE[3]), ("prose", PROSE[2])]
         exact, notes, _ = check_lossless(e, cases)

@@ -1,6 +1,7 @@
 """The model catalog and the cache of fetched models."""
 
-from edgespec.models.catalog import DEFAULT_MODEL, MODELS, PAIRS, CatalogModel
+from edgespec.config import DEFAULT_MODEL
+from edgespec.models.catalog import MODELS, PAIRS, CatalogModel
 from edgespec.models.store import (FetchProgress, ProgressCallback, Removed, cache_dir, cached_path, fetch, remove,
                                    resolve)
 

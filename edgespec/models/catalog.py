@@ -100,4 +100,3 @@ PAIRS: dict[str, tuple[str, ...]] = {
     "qwen2.5-coder-1.5b": ("qwen2.5-coder-0.5b",),
 }
 
-DEFAULT_MODEL = "qwen2.5-coder-1.5b"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from edgespec.errors import EdgespecError, FetchError
 from edgespec.models.catalog import MODELS, PAIRS
-from edgespec.models.store import _hub_reachable, cached_path, resolve
+from edgespec.models.store import hub_reachable, cached_path, resolve
 
 log = logging.getLogger(__name__)
 PREFERRED_QUANT = "q4_k_m"
@@ -18,7 +18,7 @@ def pull(repo: str, filename: str | None = None) -> Path:
     from huggingface_hub import hf_hub_download, list_repo_files
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
-    online = _hub_reachable()
+    online = hub_reachable()
     try:
         if filename is None:
             if not online:
@@ -73,8 +73,7 @@ def hub_cached_ggufs() -> list[tuple[str, str, int, Path]]:
 def draft_candidates(target: str) -> list[tuple[str, str | None, str]]:
     """(name, path, verdict) for every cached GGUF that passes the vocabulary check against `target`,
     and catalog pairs not yet cached."""
-    from edgespec.backend import Model
-    from edgespec.config import LoadConfig
+    from edgespec.backend import open_facts
     from edgespec.proposers.draft import check_compatible
 
     target_path = resolve(target)
@@ -83,13 +82,12 @@ def draft_candidates(target: str) -> list[tuple[str, str | None, str]]:
         if (p := cached_path(entry)) is not None:
             candidates.append((name, p))
     candidates += [(f"{repo}/{file}", path) for repo, file, _, path in hub_cached_ggufs()]
-    facts_load = LoadConfig(n_ctx=256, n_threads=1, n_gpu_layers=0)
     rows: list[tuple[str, str | None, str]] = []
-    with Model(target_path, facts_load, facts_only=True) as t:
+    with open_facts(target_path) as t:
         for name, path in candidates:
             if path.resolve() == target_path.resolve():
                 continue
-            with Model(path, facts_load, facts_only=True) as d:
+            with open_facts(path) as d:
                 try:
                     check_compatible(t, d)
                 except EdgespecError:

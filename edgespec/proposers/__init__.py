@@ -1,9 +1,10 @@
 """Proposers guess the next tokens cheaply; the target verifies them in one batch.
 
 The lifecycle follows llama.cpp's common/speculative: `begin(prompt, ...)` once per
-generation, then per cycle `propose(context, k)` and `accept(n_accepted)`.
-`context` is every committed token (prompt and output); a proposal may be
-shorter than k, or empty.
+generation, then per cycle `propose(context, k)` and `accept(n_accepted, seconds)`.
+`context` is every committed token (prompt and output); `k` is the cycle's cap
+(`policy.k_cap`, possibly 0), and a proposal may be shorter than k, or empty.
+`seconds` is what the target's verify pass cost, for proposers that learn costs.
 """
 
 from __future__ import annotations
@@ -23,8 +24,6 @@ class Proposal:
     # The proposer's own distribution at each position (same filters as the
     # target's) when it has one; None means the tokens are point guesses.
     dists: list[Dist] | None = None
-    # The draft's probability of each of its tokens, when it has one.
-    confidence: list[float] = field(default_factory=list)
     source: str = ""  # which proposer made it ("ngram", "draft"; "none" for a plain step)
     match: int = 0  # n-gram lookup: context tokens that matched where the proposal was copied from
 
@@ -36,9 +35,7 @@ class Proposer(Protocol):
 
     def propose(self, context: Sequence[int], k: int) -> Proposal: ...
 
-    def accept(self, n_accepted: int) -> None: ...
+    def accept(self, n_accepted: int, seconds: float) -> None: ...
 
     def close(self) -> None: ...
 
-
-PROPOSERS = ("auto", "none", "ngram", "draft")

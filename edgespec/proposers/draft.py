@@ -81,7 +81,7 @@ class DraftProposer:
         lag = len(context) - m.n_past
         t0 = time.perf_counter()
         logits = m.decode(context[m.n_past :], n_outputs=1)[-1]
-        out = Proposal([], None if self._cfg.greedy else [], [], "draft")
+        out = Proposal([], None if self._cfg.greedy else [], "draft")
         for i in range(k):
             row = logits[: self._n_vocab]
             if self._cfg.greedy:
@@ -95,7 +95,6 @@ class DraftProposer:
             if conf < self.p_min:
                 break
             out.tokens.append(tok)
-            out.confidence.append(conf)
             if i == k - 1 or m.is_eog(tok) or m.n_past >= m.n_ctx:
                 break
             logits = m.decode([tok])[-1]
@@ -103,7 +102,7 @@ class DraftProposer:
             self.last_seconds_per_token = (time.perf_counter() - t0) / len(out.tokens)
         return out
 
-    def accept(self, n_accepted: int) -> None:
+    def accept(self, n_accepted: int, seconds: float = 0.0) -> None:
         # Keep the context and the accepted drafts; trim clamps when the cache lags by one.
         self.model.trim(self._base + n_accepted)
 

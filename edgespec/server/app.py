@@ -20,8 +20,8 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
 
 import uvicorn
 from starlette.applications import Starlette
@@ -33,13 +33,25 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgespec import errors
-from edgespec.config import SHUTDOWN_GRACE_SECONDS
-from edgespec.fim import infill_tokens
+from edgespec.config import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_PORT,
+    LLAMA_N_PREDICT,
+    LLAMA_TEMPERATURE,
+    OPENAI_CHAT_MAX_TOKENS,
+    OPENAI_COMPLETIONS_MAX_TOKENS,
+    OPENAI_TEMPERATURE,
+    SHUTDOWN_GRACE_SECONDS,
+)
 from edgespec.server import schemas
+
+if TYPE_CHECKING:
+    from edgespec.engine import Chunk, Engine
+    from edgespec.loop import Stats
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 4 << 20
 LOOPBACK_NAMES = {"localhost", "127.0.0.1", "::1"}
 DISCONNECT_POLL_SECONDS = 0.1
 # Connections still open this long after the grace period are dropped by uvicorn.
@@ -52,8 +64,8 @@ ROUTES_HELP = ("GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat
 
 @dataclass
 class Settings:
-    host: str = "127.0.0.1"
-    port: int = 8012
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
     api_key: str | None = None
     cors_origins: tuple[str, ...] = ()
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -70,15 +82,37 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-@dataclass
-class _State:
-    engine: Any = None
-    load_error: str | None = None
-    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="engine"))
-    infills: set[threading.Event] = field(default_factory=set)
-    active: set[threading.Event] = field(default_factory=set)  # cancel events of every request in flight
-    finished: dict[str, int] = field(default_factory=dict)  # generations by finish reason, for /health
-    draining: bool = False  # a signal came: new requests get 503, those in flight get a grace period
+class _Service:
+    """The server's state and its route handlers: one engine, requests in arrival order."""
+
+    def __init__(self, settings: Settings, load_engine: Callable[[], Engine]) -> None:
+        self.settings, self.load_engine = settings, load_engine
+        self.loaded: Engine | None = None
+        self.load_error: str | None = None
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        self.infills: set[threading.Event] = set()
+        self.active: set[threading.Event] = set()  # cancel events of every request in flight
+        self.finished: dict[str, int] = {}  # generations by finish reason, for /health
+        self.draining = False  # a signal came: new requests get 503, those in flight get a grace period
+
+    # -- lifetime ------------------------------------------------------------------
+
+    def load(self) -> None:
+        try:
+            self.loaded = self.load_engine()
+        except Exception as e:  # reported by /health and every endpoint, instead of a dead process
+            log.exception("loading the model failed")
+            self.load_error = str(e)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        threading.Thread(target=self.load, name="load", daemon=True).start()
+        yield
+        for cancel in list(self.active):  # the grace period is over: end what still runs within a cycle
+            cancel.set()
+        self.executor.shutdown(wait=True, cancel_futures=True)  # the engine must be idle before it is freed
+        if self.loaded is not None:
+            self.loaded.close()
 
     def shutdown(self, grace: float) -> None:
         """Refuse new requests; cancel those still running after `grace` seconds (streams then finish)."""
@@ -89,48 +123,27 @@ class _State:
         timer.daemon = True
         timer.start()
 
-
-def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
-    """The ASGI app; `load_engine` runs in a thread at startup, /health says 503 until it is done."""
-    state = _State()
-
-    def load() -> None:
-        try:
-            state.engine = load_engine()
-        except Exception as e:  # reported by /health and every endpoint, instead of a dead process
-            log.exception("loading the model failed")
-            state.load_error = str(e)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        threading.Thread(target=load, name="load", daemon=True).start()
-        yield
-        for cancel in list(state.active):  # the grace period is over: end what still runs within a cycle
-            cancel.set()
-        state.executor.shutdown(wait=True, cancel_futures=True)  # the engine must be idle before it is freed
-        if state.engine is not None:
-            state.engine.close()
-
     # -- helpers -------------------------------------------------------------------
 
-    def engine() -> Any:
-        if state.draining:
+    def engine(self) -> Engine:
+        if self.draining:
             raise _Unavailable("the server is shutting down; send the request to a new instance")
-        if state.engine is None:
-            raise _Unavailable(state.load_error or "the model is still loading; retry when GET /health says ok")
-        return state.engine
+        if self.loaded is None:
+            raise _Unavailable(self.load_error or "the model is still loading; retry when GET /health says ok")
+        return self.loaded
 
-    async def body_of(request: Request) -> dict[str, Any]:
+    async def body_of(self, request: Request) -> dict[str, Any]:
+        limit = self.settings.max_body_bytes
         data = bytearray()
         n = 0
         async for piece in request.stream():
             n += len(piece)
-            if n <= settings.max_body_bytes:
+            if n <= limit:
                 data += piece
             elif n > MAX_DRAIN_BYTES:  # read on so that the client, still sending, gets to read the 413
                 break
-        if n > settings.max_body_bytes:
-            raise _TooLarge(f"request body over {settings.max_body_bytes} bytes; send less context")
+        if n > limit:
+            raise _TooLarge(f"request body over {limit} bytes; send less context")
         try:
             body = json.loads(data)
         except (ValueError, UnicodeDecodeError) as e:
@@ -139,30 +152,31 @@ def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
             raise errors.InvalidRequestError("the JSON body must be an object")
         return body
 
-    async def run(request: Request, prompt: list[int], req: schemas.Request, cancel: threading.Event
-                  ) -> tuple[str, list[Any]]:
+    def count(self, reason: str | None) -> None:
+        self.finished[reason or "error"] = self.finished.get(reason or "error", 0) + 1
+
+    async def run(self, request: Request, prompt: list[int], req: schemas.Request, cancel: threading.Event
+                  ) -> tuple[str, list[Chunk]]:
         """Generate without streaming, cancelling if the client disconnects meanwhile."""
-        eng = engine()
+        eng = self.engine()
         loop = asyncio.get_running_loop()
-        state.active.add(cancel)
+        self.active.add(cancel)
         try:
-            job = loop.run_in_executor(state.executor, lambda: list(eng.stream(prompt, req.config, req.stop, cancel)))
+            job = loop.run_in_executor(self.executor, lambda: list(eng.stream(prompt, req.config, req.stop, cancel)))
             while not job.done():
                 if await request.is_disconnected():
                     cancel.set()
                 await asyncio.wait([job], timeout=DISCONNECT_POLL_SECONDS)
             chunks = job.result()
         finally:
-            state.active.discard(cancel)
-        count(chunks[-1].finish_reason)
+            self.active.discard(cancel)
+        self.count(chunks[-1].finish_reason)
         return "".join(c.text for c in chunks), chunks
 
-    def count(reason: str | None) -> None:
-        state.finished[reason or "error"] = state.finished.get(reason or "error", 0) + 1
-
-    def stream_chunks(prompt: list[int], req: schemas.Request, cancel: threading.Event) -> AsyncIterator[Any]:
+    def stream_chunks(self, prompt: list[int], req: schemas.Request, cancel: threading.Event
+                      ) -> AsyncIterator[Chunk]:
         """Chunks from the worker thread as they come; closing the iterator (a disconnect) cancels."""
-        eng = engine()
+        eng = self.engine()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         done = object()
@@ -172,16 +186,16 @@ def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
                 for chunk in eng.stream(prompt, req.config, req.stop, cancel):
                     loop.call_soon_threadsafe(queue.put_nowait, chunk)
                     if chunk.finish_reason is not None:
-                        loop.call_soon_threadsafe(count, chunk.finish_reason)
+                        loop.call_soon_threadsafe(self.count, chunk.finish_reason)
             except Exception as e:
                 loop.call_soon_threadsafe(queue.put_nowait, e)
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, done)
 
-        state.active.add(cancel)
-        state.executor.submit(work)
+        self.active.add(cancel)
+        self.executor.submit(work)
 
-        async def gen() -> AsyncIterator[Any]:
+        async def gen() -> AsyncIterator[Chunk]:
             try:
                 while (item := await queue.get()) is not done:
                     if isinstance(item, Exception):
@@ -189,133 +203,109 @@ def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
                     yield item
             finally:
                 cancel.set()  # normal end: harmless; disconnect: stops the generation within a cycle
-                state.active.discard(cancel)
+                self.active.discard(cancel)
 
         return gen()
 
-    def check_fits(prompt: list[int], req: schemas.Request, prompt_name: str) -> None:
-        # Before a stream starts: a 400, not a broken stream.
-        engine().check_fits(prompt, req.config.max_tokens, prompt_name, req.max_tokens_field)
-
     # -- endpoints -----------------------------------------------------------------
 
-    async def health(request: Request) -> Response:
-        if state.draining:
+    async def health(self, request: Request) -> Response:
+        if self.draining:
             return JSONResponse({"status": "shutting down"}, status_code=503)
-        if state.load_error:
-            return JSONResponse({"status": "error", "error": state.load_error}, status_code=500)
-        if state.engine is None:
+        if self.load_error:
+            return JSONResponse({"status": "error", "error": self.load_error}, status_code=500)
+        if self.loaded is None:
             return JSONResponse({"status": "loading"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": settings.model_name, "generations": dict(state.finished)})
+        return JSONResponse({"status": "ok", "model": self.settings.model_name, "generations": dict(self.finished)})
 
-    async def models(request: Request) -> Response:
+    async def models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
-            {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "edgespec"}]})
+            {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "edgespec"}]})
 
-    async def completions(request: Request) -> Response:
-        body = await body_of(request)
-        eng = engine()
-        req = schemas.generation(body, eng.target.n_ctx, 16, 1.0)
-        return await openai_response(request, _prompt(body, eng), req, "'prompt'", chat=False)
+    async def completions(self, request: Request) -> Response:
+        body = await self.body_of(request)
+        eng = self.engine()
+        req = schemas.generation(body, eng.n_ctx, OPENAI_COMPLETIONS_MAX_TOKENS, OPENAI_TEMPERATURE)
+        return await self.openai_response(request, _prompt(body, eng), req, "'prompt'", chat=False)
 
-    async def chat_completions(request: Request) -> Response:
-        body = await body_of(request)
-        eng = engine()
+    async def chat_completions(self, request: Request) -> Response:
+        body = await self.body_of(request)
+        eng = self.engine()
         prompt = eng.chat_tokens(schemas.messages(body))
-        req = schemas.generation(body, eng.target.n_ctx, min(1024, max(1, eng.target.n_ctx - len(prompt))), 1.0)
-        return await openai_response(request, prompt, req, "'messages'", chat=True)
+        room = max(1, eng.n_ctx - len(prompt))
+        req = schemas.generation(body, eng.n_ctx, min(OPENAI_CHAT_MAX_TOKENS, room), OPENAI_TEMPERATURE)
+        return await self.openai_response(request, prompt, req, "'messages'", chat=True)
 
-    async def openai_response(request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
+    async def completion(self, request: Request) -> Response:
+        """llama.cpp's native /completion, as Continue and others call it."""
+        body = await self.body_of(request)
+        eng = self.engine()
+        req = schemas.generation(body, eng.n_ctx, LLAMA_N_PREDICT, LLAMA_TEMPERATURE, "n_predict")
+        return await self.llama_response(request, _prompt(body, eng), req, "'prompt'")
+
+    async def infill(self, request: Request) -> Response:
+        """llama.cpp's /infill: prefix, suffix and extra files around the cursor, as llama.vim sends them."""
+        body = await self.body_of(request)
+        eng = self.engine()
+        req = schemas.generation(body, eng.n_ctx, LLAMA_N_PREDICT, LLAMA_TEMPERATURE, "n_predict")
+        prompt = eng.infill_tokens(
+            schemas.text_field(body, "input_prefix", "") or "", schemas.text_field(body, "input_suffix", "") or "",
+            schemas.text_field(body, "prompt", "") or "", schemas.extra_chunks(body), req.config.max_tokens)
+        return await self.llama_response(request, prompt, req, "the infill prompt ('input_prefix', 'input_suffix', "
+                                                               "'prompt', 'input_extra')", infill=True)
+
+    # -- responses -----------------------------------------------------------------
+
+    async def openai_response(self, request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
                               chat: bool) -> Response:
-        check_fits(prompt, req, prompt_name)
-        cid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
+        # Checked before a stream starts: a 400, not a broken stream.
+        self.engine().check_fits(prompt, req.config.max_tokens, prompt_name, req.max_tokens_field)
+        head = _OpenAIHead(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time()),
+                           self.settings.model_name, chat)
         cancel = threading.Event()
         if not req.stream:
-            text, chunks = await run(request, prompt, req, cancel)
-            last = chunks[-1]
-            choice: dict[str, Any] = {"index": 0, "finish_reason": _openai_finish(last.finish_reason)}
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text}
-            else:
-                choice |= {"text": text, "logprobs": None}
-            return JSONResponse({"id": cid, "object": obj, "created": created, "model": settings.model_name,
-                                 "choices": [choice], "usage": _usage(last.stats),
-                                 "speculative": _spec(last.stats)})
-        chunks = stream_chunks(prompt, req, cancel)
-
-        async def sse() -> AsyncIterator[str]:
-            async for event in _sse_guard(events()):
-                yield event
-            yield "data: [DONE]\n\n"
+            text, chunks = await self.run(request, prompt, req, cancel)
+            return JSONResponse(head.completion(text, chunks[-1]))
+        chunks = self.stream_chunks(prompt, req, cancel)
 
         async def events() -> AsyncIterator[str]:
             first = True
             async for c in chunks:
                 if c.finish_reason is None and not c.text:
                     continue
-                finish = _openai_finish(c.finish_reason) if c.finish_reason else None
-                if chat:
-                    delta: dict[str, Any] = {"content": c.text} if c.text or not finish else {}
-                    if first:
-                        delta["role"] = "assistant"
-                    choice = {"index": 0, "delta": delta, "finish_reason": finish}
-                else:
-                    choice = {"index": 0, "text": c.text, "logprobs": None, "finish_reason": finish}
-                event: dict[str, Any] = {"id": cid, "object": f"{obj}.chunk" if chat else obj, "created": created,
-                                         "model": settings.model_name, "choices": [choice]}
-                if c.stats is not None:
-                    event |= {"usage": _usage(c.stats), "speculative": _spec(c.stats)}
+                yield f"data: {json.dumps(head.chunk(c, first))}\n\n"
                 first = False
-                yield f"data: {json.dumps(event)}\n\n"
+
+        async def sse() -> AsyncIterator[str]:
+            async for event in _sse_guard(events()):
+                yield event
+            yield "data: [DONE]\n\n"
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def completion(request: Request) -> Response:
-        """llama.cpp's native /completion, as Continue and others call it."""
-        body = await body_of(request)
-        eng = engine()
-        req = schemas.generation(body, eng.target.n_ctx, 128, 0.8, "n_predict")
-        return await llama_response(request, _prompt(body, eng), req, "'prompt'")
-
-    async def infill(request: Request) -> Response:
-        """llama.cpp's /infill: prefix, suffix and extra files around the cursor, as llama.vim sends them."""
-        body = await body_of(request)
-        eng = engine()
-        req = schemas.generation(body, eng.target.n_ctx, 128, 0.8, "n_predict")
-        tok = eng.target
-        prompt = infill_tokens(
-            tok.vocab, lambda text: tok.tokenize(text, add_special=False, parse_special=False),
-            schemas.text_field(body, "input_prefix", "") or "", schemas.text_field(body, "input_suffix", "") or "",
-            schemas.text_field(body, "prompt", "") or "", schemas.extra_chunks(body),
-            budget=tok.n_ctx - req.config.max_tokens,
-        )
-        return await llama_response(request, prompt, req, "the infill prompt ('input_prefix', 'input_suffix', "
-                                                          "'prompt', 'input_extra')", infill=True)
-
-    async def llama_response(request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
+    async def llama_response(self, request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
                              infill: bool = False) -> Response:
-        check_fits(prompt, req, prompt_name)
+        self.engine().check_fits(prompt, req.config.max_tokens, prompt_name, req.max_tokens_field)
+        model = self.settings.model_name
         cancel = threading.Event()
-        if infill and settings.infill_cancel_older:
-            for older in list(state.infills):
+        if infill and self.settings.infill_cancel_older:
+            for older in list(self.infills):
                 older.set()
         if infill:
-            state.infills.add(cancel)
+            self.infills.add(cancel)
         try:
             if not req.stream:
-                text, chunks = await run(request, prompt, req, cancel)
-                return JSONResponse(_llama_final(text, chunks[-1], settings.model_name, req))
+                text, chunks = await self.run(request, prompt, req, cancel)
+                return JSONResponse(_llama_final(text, chunks[-1], model))
         finally:
             if not req.stream:
-                state.infills.discard(cancel)
-        chunks = stream_chunks(prompt, req, cancel)
+                self.infills.discard(cancel)
+        chunks = self.stream_chunks(prompt, req, cancel)
 
         async def events() -> AsyncIterator[str]:
             async for c in chunks:
                 if c.stats is not None:
-                    yield f"data: {json.dumps(_llama_final(c.text, c, settings.model_name, req))}\n\n"
+                    yield f"data: {json.dumps(_llama_final(c.text, c, model))}\n\n"
                 elif c.text:
                     yield f"data: {json.dumps({'content': c.text, 'stop': False})}\n\n"
 
@@ -324,26 +314,67 @@ def create_app(settings: Settings, load_engine: Callable[[], Any]) -> Starlette:
                 async for event in _sse_guard(events()):
                     yield event
             finally:
-                state.infills.discard(cancel)
+                self.infills.discard(cancel)
 
         return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
+
+def create_app(settings: Settings, load_engine: Callable[[], Engine]) -> Starlette:
+    """The ASGI app; `load_engine` runs in a thread at startup, /health says 503 until it is done."""
+    svc = _Service(settings, load_engine)
     routes = [
-        Route("/health", health, methods=["GET"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/completions", _guard(completions), methods=["POST"]),
-        Route("/v1/chat/completions", _guard(chat_completions), methods=["POST"]),
-        Route("/completion", _guard(completion), methods=["POST"]),
-        Route("/infill", _guard(infill), methods=["POST"]),
+        Route("/health", svc.health, methods=["GET"]),
+        Route("/v1/models", svc.models, methods=["GET"]),
+        Route("/v1/completions", _guard(svc.completions), methods=["POST"]),
+        Route("/v1/chat/completions", _guard(svc.chat_completions), methods=["POST"]),
+        Route("/completion", _guard(svc.completion), methods=["POST"]),
+        Route("/infill", _guard(svc.infill), methods=["POST"]),
     ]
     middleware = [Middleware(_Safety, settings=settings)]
     if settings.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                                      allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
-    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+    app = Starlette(routes=routes, middleware=middleware, lifespan=svc.lifespan,
                     exception_handlers={HTTPException: _http_error, Exception: _unexpected})
-    app.state.shutdown = state.shutdown
+    app.state.shutdown = svc.shutdown
     return app
+
+
+@dataclass(frozen=True)
+class _OpenAIHead:
+    """What every object of one OpenAI response repeats."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+
+    def _object(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+
+    def completion(self, text: str, last: Chunk) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": _openai_finish(last.finish_reason)}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice |= {"text": text, "logprobs": None}
+        assert last.stats is not None
+        return self._object("chat.completion" if self.chat else "text_completion", choice) | {
+            "usage": _usage(last.stats), "speculative": _spec(last.stats)}
+
+    def chunk(self, c: Chunk, first: bool) -> dict[str, Any]:
+        finish = _openai_finish(c.finish_reason) if c.finish_reason else None
+        if self.chat:
+            delta: dict[str, Any] = {"content": c.text} if c.text or not finish else {}
+            if first:
+                delta["role"] = "assistant"
+            event = self._object("chat.completion.chunk", {"index": 0, "delta": delta, "finish_reason": finish})
+        else:
+            event = self._object("text_completion", {"index": 0, "text": c.text, "logprobs": None,
+                                                     "finish_reason": finish})
+        if c.stats is not None:
+            event |= {"usage": _usage(c.stats), "speculative": _spec(c.stats)}
+        return event
 
 
 class _Server(uvicorn.Server):
@@ -445,13 +476,13 @@ async def _sse_guard(events: AsyncIterator[str]) -> AsyncIterator[str]:
         yield f"data: {_internal_error(e).body.decode()}\n\n"
 
 
-def _prompt(body: dict[str, Any], eng: Any) -> list[int]:
+def _prompt(body: dict[str, Any], eng: Engine) -> list[int]:
     """'prompt' as text, or as token ids (both APIs accept either)."""
     value = body.get("prompt")
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        bad = [t for t in value if not 0 <= t < eng.target.n_vocab]
+        bad = [t for t in value if not 0 <= t < eng.n_vocab]
         if bad:
-            raise errors.InvalidRequestError(f"token ids must be in 0..{eng.target.n_vocab - 1}, got {bad[:4]}")
+            raise errors.InvalidRequestError(f"token ids must be in 0..{eng.n_vocab - 1}, got {bad[:4]}")
         return value
     return eng.tokenize(schemas.text_field(body, "prompt", required=True) or "")
 
@@ -460,19 +491,20 @@ def _openai_finish(reason: str | None) -> str:
     return {"stop": "stop", "length": "length"}.get(reason or "", "stop")
 
 
-def _usage(s: Any) -> dict[str, int]:
+def _usage(s: Stats) -> dict[str, int]:
     return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.completion_tokens,
             "total_tokens": s.prompt_tokens + s.completion_tokens}
 
 
-def _spec(s: Any) -> dict[str, Any]:
+def _spec(s: Stats) -> dict[str, Any]:
     return {"drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": round(s.acceptance_rate, 4),
             "cycles": s.cycles, "tokens_per_second": round(s.tokens_per_second, 2),
             "cached_prompt_tokens": s.cached_prompt_tokens}
 
 
-def _llama_final(text: str, last: Any, model: str, req: schemas.Request) -> dict[str, Any]:
+def _llama_final(text: str, last: Chunk, model: str) -> dict[str, Any]:
     s = last.stats
+    assert s is not None
     decoded = max(s.completion_tokens - 1, 0)
     return {
         "content": text, "stop": True, "model": model, "tokens_predicted": s.completion_tokens,

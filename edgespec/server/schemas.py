@@ -84,10 +84,19 @@ def generation(body: dict[str, Any], n_ctx: int, default_max_tokens: int, defaul
         min_p=number(body, "min_p", DEFAULT_MIN_P, 0.0, 1.0),
         seed=number(body, "seed", None, -(2**63), 2**63 - 1, integer=True),
     )
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise InvalidRequestError(f"'stream' must be true or false, got {stream!r}")
-    return Request(GenerationConfig(max_tokens=max_tokens, sampling=sampling), stops(body), stream, field_name)
+    stream, cache_prompt = flag(body, "stream", False), flag(body, "cache_prompt", True)
+    return Request(GenerationConfig(max_tokens=max_tokens, sampling=sampling, reuse_prefix=cache_prompt), stops(body),
+                   stream, field_name)
+
+
+def flag(body: dict[str, Any], key: str, default: bool) -> bool:
+    """body[key] as a boolean; `default` when absent or null."""
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidRequestError(f"'{key}' must be true or false, got {value!r}")
+    return value
 
 
 def messages(body: dict[str, Any]) -> list[dict[str, str]]:

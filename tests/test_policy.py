@@ -1,9 +1,10 @@
-"""Choosing K from costs and acceptance, with literal numbers."""
+"""Choosing the proposal and K from costs, acceptance and room, with literal numbers."""
 
 import pytest
 
-from edgespec.controller import AcceptanceTracker, Costs, CostTracker, choose_k, draft_can_pay, expected_tokens
-from edgespec.proposers.auto import match_class, match_prior
+from edgespec.costs import AcceptanceTracker
+from edgespec.policy import (Bets, Costs, choose_k, choose_proposal, draft_can_pay, expected_tokens, k_cap, match_class,
+                             match_prior)
 
 # ../shared/FACTS.md: time of a batch of B tokens over a single-token pass, 2-core CPU.
 CPU = Costs((1, 2, 3, 4, 8, 16), (1.00, 1.59, 2.00, 2.51, 4.30, 4.93))
@@ -56,16 +57,6 @@ def test_the_best_bet_among_those_that_pay_at_the_pessimistic_estimates():
     assert choose_k(CPU, [0.95] * 15, 15, accept_low=[0.8] * 15) == (3, pytest.approx(3.7099 / 2.51, rel=1e-4))
 
 
-def test_lower_estimate_narrows_with_consistent_evidence():
-    t = AcceptanceTracker(prior=lambda key: 0.5)
-    # the prior alone, worth two trials: 0.5 - sqrt(0.25 / 2)
-    assert t.lower(2) == pytest.approx(0.5 - 0.125 ** 0.5)
-    for _ in range(30):
-        t.update(2, True)
-    p = t.get(2)
-    assert p > 0.9 and p - t.lower(2) < 0.1
-
-
 def test_gpu_curve_pays_at_modest_acceptance():
     assert choose_k(GPU, [0.6] * 15, 15)[0] >= 3
     assert choose_k(CPU, [0.6] * 15, 15)[0] <= 1
@@ -86,17 +77,6 @@ def test_a_draft_at_half_the_target_cost_does_not_pay_on_this_cpu():
     assert draft_can_pay(Costs(GPU.batches, GPU.target_seconds, 0.1), 15)
 
 
-def test_tracker_decays_toward_recent_outcomes():
-    t = AcceptanceTracker(decay=0.5, prior=lambda key: 0.5)
-    t.update(3, True)
-    # one success against a prior worth two trials: (1 + 0.5 * 2) / (1 + 2)
-    assert t.get(3) == pytest.approx(2 / 3) and t.get(4) == 0.5
-    for _ in range(10):
-        t.update(3, False)
-    # decayed counts: ~0 accepted of ~2 trials, the prior still weighs 2
-    assert t.get(3) == pytest.approx(0.5 * 2 / (2 + 2), abs=0.01)
-
-
 def test_match_classes_and_their_priors():
     assert [match_class(n) for n in (1, 2, 4, 5, 7, 8, 15, 16, 64)] == [1, 2, 4, 5, 5, 6, 6, 7, 9]
     assert match_prior(match_class(1)) == 0.0  # a one-token match is never worth a batch before evidence
@@ -106,52 +86,6 @@ def test_match_classes_and_their_priors():
     t = AcceptanceTracker(prior=match_prior)
     assert choose_k(CPU, [t.get(match_class(2 + j)) for j in range(15)], 15)[0] == 0
     assert choose_k(CPU, [t.get(match_class(16 + j)) for j in range(15)], 15)[0] == 15
-
-
-def test_cost_tracker_follows_observed_passes():
-    cal = Costs((1, 2, 4), (0.10, 0.15, 0.20))
-    ct = CostTracker(cal, decay=0.5)
-    assert ct.costs == cal
-    ct.observe(1, 0.12)  # first observation of a size is taken as is
-    assert ct.costs.target_seconds == pytest.approx((0.12, 0.18, 0.24))  # unobserved sizes borrow its scale
-    ct.observe(4, 0.30)  # a deep context: the batch of 4 costs 1.5x calibration, not 1.2x
-    assert ct.costs.target_seconds == pytest.approx((0.12, 0.18, 0.30))
-    ct.observe(1, 10.0)  # a stalled pass moves the scale at most 2x, then decays in
-    assert ct.costs.target_seconds[0] == pytest.approx(0.5 * 0.12 + 0.5 * 0.24)
-    ct.observe(3, 1.0)  # sizes that were not calibrated are ignored
-    assert ct.costs.batches == (1, 2, 4)
-
-
-def test_load_seen_in_plain_steps_moves_every_sizes_price():
-    cal = Costs((1, 2, 4), (0.10, 0.15, 0.20), 0.05)
-    ct = CostTracker(cal, decay=0.5, stale_decay=1.0)
-    ct.observe(4, 0.20)
-    ct.observe(1, 0.15)  # the machine gets busy: plain steps cost 1.5x
-    # a bet of 3 still costs 2 plain steps, not 1.33 as it would if 4 kept its idle price
-    assert ct.costs.target_seconds == pytest.approx((0.15, 0.225, 0.30))
-    assert ct.costs.draft_seconds_per_token == pytest.approx(0.075)
-    ct.observe(4, 0.30)  # a pass of 4 at that load confirms its price
-    assert ct.costs.target_seconds[2] == pytest.approx(0.30)
-    ct.observe(4, 0.45)  # dearer than the load explains: a deep context makes big batches dearer
-    assert ct.costs.target_seconds == pytest.approx((0.15, 0.225, 0.20 * 1.5 * (0.5 * 1.0 + 0.5 * 1.5)))
-
-
-def test_a_size_not_run_lately_drifts_back_to_the_smaller_sizes_scale():
-    cal = Costs((1, 2, 4), (0.10, 0.15, 0.20))
-    ct = CostTracker(cal, decay=0.5, stale_decay=0.5)
-    ct.observe(4, 0.40)  # one dear pass of 4: twice its calibration
-    ct.observe(1, 0.10)  # then only plain steps, at calibration
-    assert ct.costs.target_seconds == pytest.approx((0.10, 0.15, 0.20 * (0.5 * 2.0 + 0.5 * 1.0)))
-    ct.observe(1, 0.10)
-    assert ct.costs.target_seconds[2] == pytest.approx(0.20 * 1.25)
-    ct.observe(4, 0.20)  # its own pass moves it by `decay`, not by the drift
-    assert ct.costs.target_seconds[2] == pytest.approx(0.20 * (0.5 * 1.25 + 0.5 * 1.0))
-    # with the default drift a lone dear pass of 4 has lost half its excess after 34 passes of 1
-    ct = CostTracker(cal)
-    ct.observe(4, 0.40)
-    for _ in range(34):
-        ct.observe(1, 0.10)
-    assert 1.45 < ct.costs.target_seconds[2] / 0.20 < 1.55
 
 
 def test_an_idle_draft_pays_for_catching_up():
@@ -173,10 +107,33 @@ def test_a_draft_that_gains_only_a_few_percent_is_not_kept():
     assert not draft_can_pay(curve, 31)
 
 
-def test_cost_tracker_follows_the_draft():
-    ct = CostTracker(Costs((1, 2), (0.10, 0.15), 0.05))
-    ct.observe_draft(0.06)
-    assert ct.costs.draft_seconds_per_token == pytest.approx(0.06)
-    assert ct.costs.target_seconds == (0.10, 0.15)
-    ct.observe(1, 0.12)  # load slows the draft as much as the target
-    assert ct.costs.draft_seconds_per_token == pytest.approx(0.072)
+def test_every_cap_on_k_in_one_place():
+    # context_room, tokens_left, the plan's Kmax, the user's -k: the smallest wins
+    assert k_cap(1000, 200, 63) == 63
+    assert k_cap(1000, 200, 63, user_k=8) == 8
+    assert k_cap(1000, 200, 15, user_k=32) == 15  # the plan sized logits rows for 15
+    assert k_cap(1000, 6, 63) == 5  # 6 tokens left: the cycle's own token plus 5 drafts
+    assert k_cap(3, 200, 63) == 3  # 3 free cache cells
+    assert k_cap(1000, 1, 63) == 0  # the last token: a plain step
+    assert k_cap(0, 200, 63) == 0 and k_cap(1000, 200, 63, user_k=0) == 0
+
+
+def test_choose_proposal_takes_the_best_bet_within_the_cap():
+    cpu64 = Costs((1, 2, 4, 8, 16, 32, 64), (1.0, 1.5, 1.9, 3.3, 4.5, 8.0, 13.0), draft_seconds_per_token=0.1)
+    # a long lookup match that almost never fails: the batch of 64, unless the cap says less
+    sure = Bets(ngram=[0.99] * 63, ngram_low=[0.98] * 63)
+    assert choose_proposal(cpu64, sure, 63) == ("ngram", 63)
+    assert choose_proposal(cpu64, sure, 20) == ("ngram", 15)  # only calibrated sizes: 15 is the largest <= 20
+    assert choose_proposal(cpu64, sure, 0) == ("none", 0)
+    # a lookup bet that pays by the mean but not one standard error lower is declined
+    doubtful = Bets(ngram=[0.6] * 3, ngram_low=[0.3] * 3)
+    assert choose_proposal(cpu64, doubtful, 63) == ("none", 0)
+    # a cheap draft at 0.8 beats that: 3 drafts give 2.95 tokens for 1.9 + 0.3 (1.34 per step) against
+    # 1 draft, 1.8 for 1.6 (1.125), and 7 drafts, 4.16 for 3.3 + 0.7 (1.04)
+    draft = Bets(ngram=[0.6] * 3, ngram_low=[0.3] * 3, draft=[0.8] * 63)
+    assert choose_proposal(cpu64, draft, 63) == ("draft", 3)
+    assert choose_proposal(cpu64, draft, 2) == ("draft", 1)
+    # catching up on 60 tokens committed while the draft sat idle costs what a batch of 64 costs it
+    assert choose_proposal(cpu64, Bets(draft=[0.8] * 63, draft_lag=60), 63) == ("none", 0)
+    # no draft model, or no draft cost measured: the draft is never chosen
+    assert choose_proposal(Costs(cpu64.batches, cpu64.target_seconds), Bets(draft=[1.0] * 63), 63) == ("none", 0)

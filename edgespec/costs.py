@@ -1,12 +1,9 @@
-"""Choosing K each cycle from what it costs on this machine and what is likely to be accepted.
+"""What passes cost on this machine and how often proposals are accepted: measured, then tracked.
 
-Costs come from a calibration at load: the target's time for a batch of B
-tokens, t(B), and the draft's time per token, measured once per model file,
-machine and thread count and cached, then corrected by the time of every pass
-actually run (a deeper context makes big batches dearer). Acceptance is
-tracked online, decayed so it follows the text. `choose_k` is the pure function that puts them together:
-it maximizes expected committed tokens per second, and K = 0 (a plain step)
-wins whenever verification costs more than the drafts are expected to save.
+Costs come from a calibration at load: the target's time for a batch of B tokens,
+t(B), and the draft's time per token, measured once per model file, machine and
+thread count and cached, then corrected by every pass actually run. Acceptance is
+tracked online as decayed counts, so it follows the text. `policy` puts them together.
 """
 
 from __future__ import annotations
@@ -17,63 +14,25 @@ import logging
 import os
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Sequence
 
-from edgespec.budget import K_MAX_CAP
+from edgespec.policy import CONFIDENCE_Z, Costs
 
 log = logging.getLogger(__name__)
 
-# Batch sizes calibrated; the chooser only considers these, since the curve is
-# not monotonic (llama.cpp switches kernels with the batch size). Powers of two
-# are where the CPU kernels are cheapest per token (FACTS.md: t(12) > t(16);
-# here at 500 tokens of context t(56) = 13.5, t(64) = 12.1 single steps). 32 and 64
-# pay inside a long copy: per token they cost 0.23 and 0.19 steps there, 16 costs 0.26.
+# Batch sizes calibrated; the chooser only considers these, since the curve is not monotonic (llama.cpp
+# switches kernels with the batch size) and powers of two are where CPU kernels are cheapest per token.
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 ACCEPT_DECAY = 0.9  # weight of the past per observation: follows the text within ~10 cycles
 ACCEPT_PRIOR = 0.5
 PRIOR_WEIGHT = 2.0  # the prior counts as this many observations
-# An n-gram bet of k is made only if it still pays with every estimate one standard error lower:
-# near break-even bets on few observations lose on prose (replay of the benchmark's target-only
-# outputs: rag 0.97x -> 1.00x plain, code editing 2.37x -> 2.36x).
-CONFIDENCE_Z = 1.0
-DRAFT_P_MIN = 0.5  # a draft token the draft itself rates below this is not worth verifying
-# Acceptance per position a same-family draft reaches on favourable text (FACTS.md: 93% on code
-# editing); a draft that cannot pay even at this rate is not worth its memory.
-DRAFT_ACCEPT_CEILING = 0.9
-# A draft is kept only if, at that rate, it would beat plain decoding by this much: calibration
-# is one short measurement, and a draft that would gain 5% gains nothing after its noise.
-DRAFT_MIN_GAIN = 1.1
 COST_DECAY = 0.8  # weight of the past per observed pass: costs follow the context within a few passes
-# Per pass of another size, a size's own scale keeps this weight against the next smaller size's: one
-# dear pass of 32 (a deep context, a busy spell) otherwise kept 32 and 64 untried for the rest of the run.
+# Per pass of another size, a size's own scale keeps this weight against the next smaller size's, so
+# one dear pass (a deep context, a busy spell) does not keep the larger sizes untried for good.
 COST_STALE_DECAY = 0.98
 CACHE_VERSION = 6
-
-
-@dataclass(frozen=True)
-class Costs:
-    """Measured seconds: target batch of B tokens (B in `batches`), and the draft per token."""
-
-    batches: tuple[int, ...]
-    target_seconds: tuple[float, ...]
-    draft_seconds_per_token: float | None = None
-
-    def verify_seconds(self, b: int) -> float:
-        return self.target_seconds[self.batches.index(b)]
-
-    @property
-    def candidate_ks(self) -> tuple[int, ...]:
-        return tuple(b - 1 for b in self.batches)
-
-    def draft_batch_seconds(self, n: int) -> float:
-        """The draft decoding n tokens in one batch (catching up), priced on the target's curve
-        scaled to the draft's per-token cost: same architecture, smaller matrices."""
-        if n <= 0 or self.draft_seconds_per_token is None:
-            return 0.0
-        b = next((b for b in self.batches if b >= n), self.batches[-1])
-        return self.draft_seconds_per_token * self.verify_seconds(b) / self.verify_seconds(1) * max(1.0, n / b)
 
 
 class CostTracker:
@@ -126,55 +85,6 @@ class CostTracker:
         self.costs = Costs(c.batches, tuple(t * s for t, s in zip(c.target_seconds, scales)), draft)
 
 
-def expected_tokens(accept: Sequence[float], k: int) -> float:
-    """Expected tokens committed by a cycle drafting k: 1 + sum over i<=k of P(first i accepted).
-
-    `accept[j]` is the probability that draft token j is accepted given that
-    tokens 0..j-1 were.
-    """
-    total, run = 1.0, 1.0
-    for j in range(k):
-        run *= accept[j] if j < len(accept) else 0.0
-        total += run
-    return total
-
-
-def draft_can_pay(costs: Costs, k_max: int) -> bool:
-    """Whether the draft beats plain decoding by DRAFT_MIN_GAIN at DRAFT_ACCEPT_CEILING for some k."""
-    if costs.draft_seconds_per_token is None:
-        return False
-    _, rate = choose_k(costs, [DRAFT_ACCEPT_CEILING] * k_max, k_max, costs.draft_seconds_per_token)
-    return rate >= DRAFT_MIN_GAIN / costs.verify_seconds(1)
-
-
-def choose_k(costs: Costs, accept: Sequence[float], k_max: int, draft_cost_per_token: float = 0.0,
-             fixed_cost: float = 0.0, accept_low: Sequence[float] | None = None) -> tuple[int, float]:
-    """The k in 0..k_max (among calibrated batch sizes) with the most expected tokens per second.
-
-    Returns (k, expected tokens per second). `draft_cost_per_token` is 0 for
-    proposals that cost nothing (n-gram lookup); `fixed_cost` is paid once by
-    any k > 0 (a draft catching up on tokens committed while it was idle).
-    With `accept_low` (pessimistic estimates), only the k that also beat a
-    plain step at those are candidates: k is sized by the mean among the bets
-    likely to pay, and 0 when none is (a long match known only by its prior
-    gets a short bet rather than none).
-    """
-    def cycle_seconds(k: int) -> float:
-        return costs.verify_seconds(k + 1) + k * draft_cost_per_token + fixed_cost
-
-    plain = 1.0 / costs.verify_seconds(1)
-    best_k, best_rate = 0, plain
-    for k in costs.candidate_ks:
-        if k == 0 or k > min(k_max, len(accept)):
-            continue
-        if accept_low is not None and expected_tokens(accept_low, k) / cycle_seconds(k) <= plain:
-            continue
-        rate = expected_tokens(accept, k) / cycle_seconds(k)
-        if rate > best_rate:
-            best_k, best_rate = k, rate
-    return best_k, best_rate
-
-
 class AcceptanceTracker:
     """Decayed estimates of conditional acceptance, keyed by a class of proposal.
 
@@ -207,15 +117,16 @@ class AcceptanceTracker:
 # -- calibration ------------------------------------------------------------------
 
 
-def calibrate(target, draft=None, k_max: int = K_MAX_CAP, cache_dir: Path | None = None) -> Costs:
-    """Measure t(B) of the target and the draft's per-token cost; cached per file, machine and threads.
+def calibrate(target, draft, k_max: int, cache_dir: Path) -> Costs:
+    """Measure t(B) of the target and the draft's per-token cost; cached in `cache_dir` per file, machine
+    and threads.
 
-    `target` and `draft` are backend.Model objects. The measurement decodes at
+    `target` and `draft` (or None) are backend.Model objects. The measurement decodes at
     the end of whatever the caches hold and trims back, so state is unchanged.
     """
     batches = tuple(b for b in CALIBRATION_BATCHES if b <= k_max + 1)
     key = _cache_key(target, draft, batches)
-    path = (cache_dir or _default_cache_dir()) / f"{key}.json"
+    path = cache_dir / f"{key}.json"
     try:
         data = json.loads(path.read_text())
         if data.get("version") == CACHE_VERSION:
@@ -291,8 +202,3 @@ def _cpu_model() -> str:
               for key in ("model name", "flags"))
     return " ".join(wanted).strip() or platform.processor()
 
-
-def _default_cache_dir() -> Path:
-    from edgespec.models.store import cache_dir
-
-    return cache_dir().parent / "calibration"

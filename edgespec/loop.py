@@ -1,0 +1,193 @@
+"""The speculative loop: prefill with prefix reuse, one cycle (propose, verify, roll back), a generation's steps.
+
+It runs on anything with the `Target` surface: the engine runs it on a llama.cpp
+model, scripts/replay_auto.py on recorded outputs with a simulated clock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Literal, Protocol, Sequence
+
+import numpy as np
+
+from edgespec import sampling, verify
+from edgespec.config import GenerationConfig, SamplingConfig
+from edgespec.policy import k_cap
+from edgespec.proposers import Proposal, Proposer
+
+FinishReason = Literal["stop", "length", "cancelled"]
+Clock = Callable[[], float]
+
+
+class Target(Protocol):
+    """What the loop needs of the target model (backend.Model has it)."""
+
+    n_ctx: int
+
+    def decode(self, tokens: Sequence[int], n_outputs: int = 1) -> np.ndarray: ...
+
+    def trim(self, n_keep: int) -> int: ...
+
+    def keep_prefix_of(self, tokens: Sequence[int]) -> int: ...
+
+    def is_eog(self, token: int) -> bool: ...
+
+
+@dataclass
+class Stats:
+    """Counters of one generation.
+
+    The first token comes out of the prefill, so `tokens_per_second` is
+    (completion_tokens - 1) / decode_seconds, as llama.cpp reports its eval rate.
+    A cycle is one target pass after the prefill: the last token plus the draft.
+    """
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # reused from the previous call's KV cache
+    completion_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # per draft position
+    accepted_at: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    cycles_by_proposer: dict[str, int] = field(default_factory=dict)  # "none" counts plain steps
+
+    @property
+    def tokens_per_second(self) -> float:
+        n = self.completion_tokens - 1
+        return n / self.decode_seconds if n > 0 and self.decode_seconds > 0 else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_per_cycle(self) -> float:
+        """Draft tokens accepted per target pass (each pass also commits one target token)."""
+        return self.accepted / self.cycles if self.cycles else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    @property
+    def other_seconds(self) -> float:
+        return max(0.0, self.decode_seconds - self.draft_seconds - self.verify_seconds)
+
+    def record(self, drafted: int, accepted: int, source: str) -> None:
+        self.cycles += 1
+        self.cycles_by_proposer[source] = self.cycles_by_proposer.get(source, 0) + 1
+        self.drafted += drafted
+        self.accepted += accepted
+        while len(self.drafted_at) < drafted:
+            self.drafted_at.append(0)
+            self.accepted_at.append(0)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k not in ("drafted_at", "accepted_at")}
+        for name in ("tokens_per_second", "acceptance_rate", "mean_accepted_per_cycle", "acceptance_by_position",
+                     "other_seconds"):
+            d[name] = getattr(self, name)
+        return d
+
+
+def prefill(target: Target, prompt: Sequence[int], stats: Stats, reuse: bool = True) -> np.ndarray:
+    """Evaluate the prompt, keeping the cached prefix it shares (none if not `reuse`); the last logits row."""
+    common = target.keep_prefix_of(prompt if reuse else ())
+    stats.cached_prompt_tokens = common
+    return target.decode(prompt[common:], n_outputs=1)
+
+
+def cycle(target: Target, proposer: Proposer | None, committed: list[int], k: int, sc: SamplingConfig,
+          rng: np.random.Generator, stats: Stats, clock: Clock = time.perf_counter) -> tuple[list[int], int]:
+    """Propose up to k tokens, verify them in one target pass; returns (new tokens, drafts accepted).
+
+    The target cache is rolled back past the first rejection in `finally` (and the
+    proposer told, so it rolls back its own), so an exception or a consumer that
+    stops early leaves both consistent.
+    """
+    n_keep = len(committed) - 1  # what the target cache holds if this cycle commits nothing
+    n_accepted, seconds = 0, 0.0
+    try:
+        t = clock()
+        proposal = proposer.propose(committed, k) if proposer is not None else Proposal()
+        draft = proposal.tokens
+        if len(draft) > k:
+            raise ValueError(f"proposer {proposal.source!r} proposed {len(draft)} tokens, more than the cap k={k}")
+        t_verify = clock()
+        stats.draft_seconds += t_verify - t
+        rows = target.decode([committed[-1], *draft], n_outputs=len(draft) + 1)
+        seconds = clock() - t_verify
+        if sc.greedy:
+            n_accepted, nxt = verify.greedy(rows, draft)
+        else:
+            n_accepted, nxt = verify.sampled(rows, draft, proposal.dists, sc, rng)
+        stats.verify_seconds += clock() - t_verify
+        stats.record(len(draft), n_accepted, proposal.source if draft else "none")
+        n_keep = len(committed) + n_accepted
+        return [*draft[:n_accepted], nxt], n_accepted
+    finally:
+        target.trim(n_keep)
+        if proposer is not None:
+            proposer.accept(n_accepted, seconds)
+
+
+def steps(target: Target, proposer: Proposer | None, prompt: list[int], config: GenerationConfig, stats: Stats,
+          cancel: threading.Event, k_max: int, user_k: int | None = None, reuse: bool = True,
+          clock: Clock = time.perf_counter) -> Iterator[tuple[list[int], list[bool], FinishReason | None]]:
+    """Committed tokens, one cycle at a time, with the finish reason on the last cycle.
+
+    Invariant between cycles: the target cache holds committed[:-1]; the last
+    committed token is decoded at the head of the next cycle's batch.
+    """
+    sc = config.sampling
+    rng = sc.rng()
+    t0 = clock()
+    logits = prefill(target, prompt, stats, reuse)
+    stats.prefill_seconds = clock() - t0
+    t1 = clock()
+    try:
+        first = sampling.sample(logits[-1], sc, rng)
+        if target.is_eog(first):
+            yield [], [], "stop"
+            return
+        committed = [*prompt, first]
+        stats.completion_tokens = 1
+        if config.max_tokens == 1:
+            yield [first], [False], "length"
+            return
+        yield [first], [False], None
+        if proposer is not None:
+            proposer.begin(committed, sc, rng)
+        while True:
+            k = k_cap(target.n_ctx - len(committed), config.max_tokens - stats.completion_tokens, k_max, user_k)
+            new, n_accepted = cycle(target, proposer, committed, k, sc, rng, stats, clock)
+            stop_at = next((i for i, t in enumerate(new) if target.is_eog(t)), None)
+            if stop_at is not None:
+                new = new[:stop_at]
+            from_draft = [i < n_accepted for i in range(len(new))]
+            committed.extend(new)
+            stats.completion_tokens += len(new)
+            if stop_at is not None:
+                target.trim(len(committed) - 1)
+                yield new, from_draft, "stop"
+                return
+            if stats.completion_tokens >= config.max_tokens:
+                yield new, from_draft, "length"
+                return
+            if cancel.is_set():
+                yield new, from_draft, "cancelled"
+                return
+            yield new, from_draft, None
+    finally:
+        stats.decode_seconds = clock() - t1

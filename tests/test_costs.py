@@ -1,0 +1,85 @@
+"""The trackers that learn costs and acceptance, with literal numbers."""
+
+import pytest
+
+from edgespec.costs import AcceptanceTracker, CostTracker
+from edgespec.policy import Costs
+
+# ../shared/FACTS.md: time of a batch of B tokens over a single-token pass, 2-core CPU.
+CPU = Costs((1, 2, 3, 4, 8, 16), (1.00, 1.59, 2.00, 2.51, 4.30, 4.93))
+
+
+def test_tracker_decays_toward_recent_outcomes():
+    t = AcceptanceTracker(decay=0.5, prior=lambda key: 0.5)
+    t.update(3, True)
+    # one success against a prior worth two trials: (1 + 0.5 * 2) / (1 + 2)
+    assert t.get(3) == pytest.approx(2 / 3) and t.get(4) == 0.5
+    for _ in range(10):
+        t.update(3, False)
+    # decayed counts: ~0 accepted of ~2 trials, the prior still weighs 2
+    assert t.get(3) == pytest.approx(0.5 * 2 / (2 + 2), abs=0.01)
+
+
+def test_lower_estimate_narrows_with_consistent_evidence():
+    t = AcceptanceTracker(prior=lambda key: 0.5)
+    # the prior alone, worth two trials: 0.5 - sqrt(0.25 / 2)
+    assert t.lower(2) == pytest.approx(0.5 - 0.125 ** 0.5)
+    for _ in range(30):
+        t.update(2, True)
+    p = t.get(2)
+    assert p > 0.9 and p - t.lower(2) < 0.1
+
+
+def test_cost_tracker_follows_observed_passes():
+    cal = Costs((1, 2, 4), (0.10, 0.15, 0.20))
+    ct = CostTracker(cal, decay=0.5)
+    assert ct.costs == cal
+    ct.observe(1, 0.12)  # first observation of a size is taken as is
+    assert ct.costs.target_seconds == pytest.approx((0.12, 0.18, 0.24))  # unobserved sizes borrow its scale
+    ct.observe(4, 0.30)  # a deep context: the batch of 4 costs 1.5x calibration, not 1.2x
+    assert ct.costs.target_seconds == pytest.approx((0.12, 0.18, 0.30))
+    ct.observe(1, 10.0)  # a stalled pass moves the scale at most 2x, then decays in
+    assert ct.costs.target_seconds[0] == pytest.approx(0.5 * 0.12 + 0.5 * 0.24)
+    ct.observe(3, 1.0)  # sizes that were not calibrated are ignored
+    assert ct.costs.batches == (1, 2, 4)
+
+
+def test_load_seen_in_plain_steps_moves_every_sizes_price():
+    cal = Costs((1, 2, 4), (0.10, 0.15, 0.20), 0.05)
+    ct = CostTracker(cal, decay=0.5, stale_decay=1.0)
+    ct.observe(4, 0.20)
+    ct.observe(1, 0.15)  # the machine gets busy: plain steps cost 1.5x
+    # a bet of 3 still costs 2 plain steps, not 1.33 as it would if 4 kept its idle price
+    assert ct.costs.target_seconds == pytest.approx((0.15, 0.225, 0.30))
+    assert ct.costs.draft_seconds_per_token == pytest.approx(0.075)
+    ct.observe(4, 0.30)  # a pass of 4 at that load confirms its price
+    assert ct.costs.target_seconds[2] == pytest.approx(0.30)
+    ct.observe(4, 0.45)  # dearer than the load explains: a deep context makes big batches dearer
+    assert ct.costs.target_seconds == pytest.approx((0.15, 0.225, 0.20 * 1.5 * (0.5 * 1.0 + 0.5 * 1.5)))
+
+
+def test_a_size_not_run_lately_drifts_back_to_the_smaller_sizes_scale():
+    cal = Costs((1, 2, 4), (0.10, 0.15, 0.20))
+    ct = CostTracker(cal, decay=0.5, stale_decay=0.5)
+    ct.observe(4, 0.40)  # one dear pass of 4: twice its calibration
+    ct.observe(1, 0.10)  # then only plain steps, at calibration
+    assert ct.costs.target_seconds == pytest.approx((0.10, 0.15, 0.20 * (0.5 * 2.0 + 0.5 * 1.0)))
+    ct.observe(1, 0.10)
+    assert ct.costs.target_seconds[2] == pytest.approx(0.20 * 1.25)
+    ct.observe(4, 0.20)  # its own pass moves it by `decay`, not by the drift
+    assert ct.costs.target_seconds[2] == pytest.approx(0.20 * (0.5 * 1.25 + 0.5 * 1.0))
+    # with the default drift a lone dear pass of 4 has lost half its excess after 34 passes of 1
+    ct = CostTracker(cal)
+    ct.observe(4, 0.40)
+    for _ in range(34):
+        ct.observe(1, 0.10)
+    assert 1.45 < ct.costs.target_seconds[2] / 0.20 < 1.55
+
+
+def test_cost_tracker_follows_the_draft():
+    ct = CostTracker(Costs((1, 2), (0.10, 0.15), 0.05))
+    ct.observe_draft(0.06)
+    assert ct.costs.draft_seconds_per_token == pytest.approx(0.06)
+    assert ct.costs.target_seconds == (0.10, 0.15)
+    ct.observe(1, 0.12)  # load slows the draft as much as the target
+    assert ct.costs.draft_seconds_per_token == pytest.approx(0.072)

@@ -116,8 +116,10 @@ _sampling_options = _options(
 
 def _generation_config(o: dict[str, Any], max_tokens: int = DEFAULT_MAX_TOKENS) -> GenerationConfig:
     """The sampling options; `max_tokens` is the command's default when -n is not given."""
-    return GenerationConfig(max_tokens=max_tokens if o["max_tokens"] is None else o["max_tokens"], sampling=SamplingConfig(
-        temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"], seed=o["seed"]))
+    return GenerationConfig(
+        max_tokens=max_tokens if o["max_tokens"] is None else o["max_tokens"],
+        sampling=SamplingConfig(temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"],
+                                seed=o["seed"]))
 
 
 class _FetchBar:
@@ -161,15 +163,15 @@ def _engine_config(o: dict[str, Any], mmap: bool = True) -> EngineConfig:
                         parse_size(o["memory_budget"]) if o["memory_budget"] else None, o["source"])
 
 
-def _open_engine(o: dict[str, Any], mmap: bool = True):
-    """Load the engine the options describe, telling a person what happens unless --quiet."""
+def _open_engine(o: dict[str, Any], config: EngineConfig | None = None):
+    """Load the engine the options (or `config`) describe, telling a person what happens unless --quiet."""
     from edgespec.engine import Engine
 
     show = not o["quiet"]
-    config = _engine_config(o, mmap)
+    config = config or _engine_config(o)
     if show:
-        click.echo(click.style(f"loading {o['model']}" + (f" + {o['draft']}" if o["draft"] else "") + " …", dim=True),
-                   err=True)
+        click.echo(click.style(f"loading {config.model}" + (f" + {config.draft}" if config.draft else "") + " …",
+                               dim=True), err=True)
     engine = Engine(config, progress=_progress(show))
     if show:
         for note in engine.notes:
@@ -342,13 +344,14 @@ def serve(host: str, port: int, api_key: str | None, cors_origins: tuple[str, ..
     if not is_loopback(host) and not api_key:
         raise click.ClickException(f"refusing to listen on {host} without an API key: anyone who can reach it "
                                    f"could use it; pass --api-key KEY, or keep the default --host 127.0.0.1")
+    config = _engine_config(o, mmap=False)  # bad options end here, in one line, before the port opens
     settings = Settings(host=host, port=port, api_key=api_key, cors_origins=cors_origins,
                         max_body_bytes=max_body_bytes, infill_cancel_older=infill_cancel_older,
                         model_name=Path(o["model"]).name)
     if not o["quiet"]:
         click.echo(click.style(f"edgespec serving {o['model']} on http://{host}:{port} (GET /health is 503 until "
                                f"the model is loaded)", dim=True), err=True)
-    app = create_app(settings, lambda: _open_engine({**o, "quiet": True}, mmap=False))
+    app = create_app(settings, lambda: _open_engine({**o, "quiet": True}, config))
     run_server(app, settings, log_level="warning" if o["quiet"] else "info", grace=shutdown_grace)
 
 

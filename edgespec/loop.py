@@ -117,7 +117,7 @@ def cycle(target: Target, proposer: Proposer | None, committed: list[int], k: in
     stops early leaves both consistent.
     """
     n_keep = len(committed) - 1  # what the target cache holds if this cycle commits nothing
-    n_accepted, seconds = 0, 0.0
+    n_accepted, seconds = 0, None  # seconds stays None if the verify pass never ran
     try:
         t = clock()
         proposal = proposer.propose(committed, k) if proposer is not None else Proposal()

@@ -4,7 +4,8 @@ The lifecycle follows llama.cpp's common/speculative: `begin(prompt, ...)` once 
 generation, then per cycle `propose(context, k)` and `accept(n_accepted, seconds)`.
 `context` is every committed token (prompt and output); `k` is the cycle's cap
 (`policy.k_cap`, possibly 0), and a proposal may be shorter than k, or empty.
-`seconds` is what the target's verify pass cost, for proposers that learn costs.
+`seconds` is what the target's verify pass cost (None if it failed), for proposers that
+learn costs.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class Proposer(Protocol):
 
     def propose(self, context: Sequence[int], k: int) -> Proposal: ...
 
-    def accept(self, n_accepted: int, seconds: float) -> None: ...
+    def accept(self, n_accepted: int, seconds: float | None) -> None: ...
 
     def close(self) -> None: ...
 

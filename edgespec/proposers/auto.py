@@ -61,12 +61,12 @@ class AutoProposer:
             self._chosen = Proposal(source="none")
         return self._chosen
 
-    def accept(self, n_accepted: int, seconds: float) -> None:
+    def accept(self, n_accepted: int, seconds: float | None) -> None:
         chosen = self._chosen
-        if chosen.source == "draft" and self.draft is not None:
-            if self.draft.last_seconds_per_token is not None:
+        if seconds is not None:
+            if chosen.source == "draft" and self.draft is not None and self.draft.last_seconds_per_token is not None:
                 self.cost_tracker.observe_draft(self.draft.last_seconds_per_token)
-        self.cost_tracker.observe(len(chosen.tokens) + 1, seconds)
+            self.cost_tracker.observe(len(chosen.tokens) + 1, seconds)
         if chosen.source == "draft" and self.draft is not None:
             self.draft.accept(n_accepted, seconds)
             for j in range(min(n_accepted + 1, len(chosen.tokens))):

@@ -102,7 +102,7 @@ class DraftProposer:
             self.last_seconds_per_token = (time.perf_counter() - t0) / len(out.tokens)
         return out
 
-    def accept(self, n_accepted: int, seconds: float = 0.0) -> None:
+    def accept(self, n_accepted: int, seconds: float | None = None) -> None:
         # Keep the context and the accepted drafts; trim clamps when the cache lags by one.
         self.model.trim(self._base + n_accepted)
 

@@ -61,7 +61,7 @@ class NgramProposer:
                 return Proposal(out, source="ngram", match=match)
         return Proposal()
 
-    def accept(self, n_accepted: int, seconds: float = 0.0) -> None:
+    def accept(self, n_accepted: int, seconds: float | None = None) -> None:
         pass  # the committed tokens arrive with the next context
 
     def close(self) -> None:

@@ -166,7 +166,8 @@ def _k_max(target: ModelMemory, pool: int, k_max: int, n_ubatch: int, kv_type: s
 def _items(m: ModelMemory, ctx: int, rows: int, n_ubatch: int, kv_type: str) -> list[tuple[str, int]]:
     return [(f"{m.name} weights", m.weights_bytes),
             (f"{m.name} KV cache ({ctx} tokens, {kv_type})", m.kv_bytes_per_token(kv_type) * ctx),
-            (f"{m.name} compute buffers", m.compute_bytes(n_ubatch)), (f"{m.name} logits ({rows} rows)", m.logits_bytes(rows))]
+            (f"{m.name} compute buffers", m.compute_bytes(n_ubatch)),
+            (f"{m.name} logits ({rows} rows)", m.logits_bytes(rows))]
 
 
 def _gib(n: float) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from edgespec.errors import EdgespecError, FetchError
 from edgespec.models.catalog import MODELS, PAIRS
-from edgespec.models.store import hub_reachable, cached_path, resolve
+from edgespec.models.store import cached_path, hub_reachable, resolve
 
 log = logging.getLogger(__name__)
 PREFERRED_QUANT = "q4_k_m"

@@ -63,12 +63,13 @@ class AutoProposer:
 
     def accept(self, n_accepted: int, seconds: float | None) -> None:
         chosen = self._chosen
+        draft = self.draft if chosen.source == "draft" else None
         if seconds is not None:
-            if chosen.source == "draft" and self.draft is not None and self.draft.last_seconds_per_token is not None:
-                self.cost_tracker.observe_draft(self.draft.last_seconds_per_token)
+            if draft is not None and draft.last_seconds_per_token is not None:
+                self.cost_tracker.observe_draft(draft.last_seconds_per_token)
             self.cost_tracker.observe(len(chosen.tokens) + 1, seconds)
-        if chosen.source == "draft" and self.draft is not None:
-            self.draft.accept(n_accepted, seconds)
+        if draft is not None:
+            draft.accept(n_accepted, seconds)
             for j in range(min(n_accepted + 1, len(chosen.tokens))):
                 self.draft_accept.update(j, j < n_accepted)
 

@@ -11,6 +11,8 @@ from typing import Any
 from edgespec.config import EngineConfig, GenerationConfig, LoadConfig, SamplingConfig
 from edgespec.errors import EdgespecError
 
+__version__ = "0.1.0"  # as pyproject.toml
+
 logging.getLogger(__name__).addHandler(logging.NullHandler())  # a library logs; the app decides what shows
 
 _LAZY = {"Chunk", "Completion", "Engine", "Stats"}

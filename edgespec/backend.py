@@ -1,8 +1,10 @@
 """The only module that imports llama_cpp: one GGUF model with its KV cache.
 
-`Model` holds one llama.cpp context with a single sequence whose contents are
-mirrored in `Model.tokens` (position i holds tokens[i]). Everything above this
-module speaks token ids and numpy arrays.
+`Model` holds one llama.cpp context with `LoadConfig.n_seq` KV sequences, each a
+`KVSequence` whose contents are mirrored in its `tokens` (position i holds tokens[i]);
+the model's own decode/trim act on sequence 0. Each sequence has its own stream of
+n_ctx cells (not unified), so attention never scans another sequence's cells.
+Everything above this module speaks token ids and numpy arrays.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ log = logging.getLogger(__name__)
 _llama_log = logging.getLogger("edgespec.llama_cpp")
 
 GGUF_MAGIC = b"GGUF"
-_SEQ = 0
 _FLASH_ATTN = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation; info is load chatter, so DEBUG here.
@@ -136,9 +137,10 @@ class Model:
             if facts_only:
                 return
             cparams = llama_cpp.llama_context_default_params()
-            cparams.n_ctx = cfg.n_ctx or DEFAULT_N_CTX
+            cparams.n_ctx = (cfg.n_ctx or DEFAULT_N_CTX) * cfg.n_seq
             cparams.n_batch = cparams.n_ubatch = cfg.n_batch
-            cparams.n_seq_max = 1
+            cparams.n_seq_max = cfg.n_seq
+            cparams.kv_unified = False
             cparams.n_threads = cparams.n_threads_batch = cfg.n_threads
             cparams.no_perf = True
             cparams.flash_attn_type = _FLASH_ATTN[cfg.flash_attn]
@@ -147,14 +149,15 @@ class Model:
                 raise EdgespecError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {path} "
                                     f"({_first_error()}); "
                                     f"try a smaller context (--ctx)")
-            self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
+            self.n_ctx = int(llama_cpp.llama_n_ctx_seq(self._ctx))  # per sequence
             self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
             self._mem = llama_cpp.llama_get_memory(self._ctx)
             self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-            # seq ids never change; token/pos/logits are written through numpy views.
             for i in range(self.n_batch):
                 self._batch.n_seq_id[i] = 1
-                self._batch.seq_id[i][0] = _SEQ
+                self._batch.seq_id[i][0] = 0
+            self._batch_seq = 0  # the seq id written in every batch row; rewritten only when it changes
+            # token/pos/logits are written through numpy views.
             self._b_token = np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,))
             self._b_pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
             self._b_logits = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
@@ -163,102 +166,39 @@ class Model:
             raise
         # Recurrent state cannot be cut at an arbitrary position; speculation needs that.
         self.can_trim = not self.facts.recurrent
-        self.tokens: list[int] = []
+        self.sequences = [KVSequence(self, i) for i in range(cfg.n_seq)]
         self._pieces: dict[int, bytes] = {}
 
-    # -- decoding ---------------------------------------------------------
+    # -- decoding: sequence 0 ---------------------------------------------------
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.sequences[0].tokens
 
     @property
     def n_past(self) -> int:
-        return len(self.tokens)
+        return self.sequences[0].n_past
 
     def decode(self, tokens: Sequence[int], n_outputs: int = 1) -> np.ndarray:
-        """Append `tokens` to the cache; return logits of the last `n_outputs` of them.
-
-        The result, shape (n_outputs, n_vocab), is a view of llama.cpp's buffer:
-        valid until the next decode. Copy what must outlive it.
-        """
-        n = len(tokens)
-        if n == 0 or not 0 <= n_outputs <= min(n, self.n_batch):
-            raise ValueError(f"decode of {n} tokens with {n_outputs} outputs (batch {self.n_batch})")
-        if self.n_past + n > self.n_ctx:
-            raise ContextOverflowError(
-                f"{self.n_past + n} tokens do not fit the context of {self.n_ctx}; use a larger --ctx or a shorter prompt"
-            )
-        toks = np.asarray(tokens, dtype=np.int32)
-        first_out = n - n_outputs
-        for start in range(0, n, self.n_batch):
-            m = min(self.n_batch, n - start)
-            self._b_token[:m] = toks[start : start + m]
-            self._b_pos[:m] = np.arange(self.n_past, self.n_past + m, dtype=np.int32)
-            self._b_logits[:m] = np.arange(start, start + m) >= first_out
-            self._batch.n_tokens = m
-            try:
-                rc = llama_cpp.llama_decode(self._ctx, self._batch)
-                if rc == 0:
-                    self.tokens.extend(toks[start : start + m].tolist())
-            except BaseException:  # e.g. KeyboardInterrupt between the C call and the mirror update
-                self._resync()
-                raise
-            if rc != 0:
-                self._resync()
-                if rc == 1:
-                    raise ContextOverflowError(f"no KV slot for {m} tokens at position {self.n_past}; use a larger --ctx")
-                raise EdgespecError(f"llama_decode failed with code {rc} at position {self.n_past}")
-        if n_outputs == 0:
-            return np.empty((0, self.n_vocab), dtype=np.float32)
-        ptr = llama_cpp.llama_get_logits(self._ctx)
-        return np.ctypeslib.as_array(ptr, shape=(n_outputs, self.n_vocab))
+        return self.sequences[0].decode(tokens, n_outputs)
 
     def trim(self, n_keep: int) -> int:
-        """Keep the first `n_keep` cached tokens, drop the rest; returns how many were dropped."""
-        n_keep = max(0, min(n_keep, self.n_past))
-        dropped = self.n_past - n_keep
-        if dropped == 0:
-            return 0
-        if n_keep > 0 and not self.can_trim:
-            raise UnsupportedModelError(
-                f"{self.path.name} has a recurrent cache that cannot be cut at position {n_keep}; "
-                f"use it without speculation (--proposer none)"
-            )
-        if not llama_cpp.llama_memory_seq_rm(self._mem, _SEQ, n_keep, -1):
-            raise UnsupportedModelError(f"llama.cpp refused to remove positions >= {n_keep} from {self.path.name}")
-        del self.tokens[n_keep:]
-        if (pos := self.pos_max()) != n_keep - 1:
-            raise EdgespecError(f"KV cache of {self.path.name} ends at {pos} after trimming to {n_keep}")
-        return dropped
+        return self.sequences[0].trim(n_keep)
 
     def shared_prefix(self, tokens: Sequence[int]) -> int:
-        """Length of the cache's longest prefix shared with `tokens`, short of their last token
-        (which must be decoded again for its logits)."""
-        held = self.tokens
-        n = min(len(held), len(tokens) - 1)
-        if n >= 0 and held[:n] == list(tokens[:n]):  # the usual case, compared in C
-            return n
-        n = 0
-        for a, b in zip(held, tokens[:-1]):
-            if a != b:
-                break
-            n += 1
-        return n
+        return self.sequences[0].shared_prefix(tokens)
 
     def keep_prefix_of(self, tokens: Sequence[int]) -> int:
-        """Trim the cache to `shared_prefix(tokens)`; returns how many cached tokens were kept."""
-        n = self.shared_prefix(tokens)
-        self.trim(n)
-        return n
+        return self.sequences[0].keep_prefix_of(tokens)
 
     def pos_max(self) -> int:
-        """The last position llama.cpp holds for the sequence (-1 when empty)."""
-        return int(llama_cpp.llama_memory_seq_pos_max(self._mem, _SEQ))
+        return self.sequences[0].pos_max()
 
-    def _resync(self) -> None:
-        """Make the cache and its mirror agree after an interrupted or failed decode."""
-        held = self.pos_max() + 1
-        if held > len(self.tokens):  # decoded, but interrupted before the mirror was updated
-            llama_cpp.llama_memory_seq_rm(self._mem, _SEQ, len(self.tokens), -1)
-        else:  # llama.cpp kept only part of a failed batch
-            del self.tokens[held:]
+    def _set_batch_seq(self, seq: int) -> None:
+        if seq != self._batch_seq:
+            for i in range(self.n_batch):
+                self._batch.seq_id[i][0] = seq
+            self._batch_seq = seq
 
     # -- vocabulary ---------------------------------------------------------
 
@@ -284,6 +224,15 @@ class Model:
                 n = llama_cpp.llama_token_to_piece(self._vocab_p, token, buf, -n, 0, False)
             piece = self._pieces[token] = buf.raw[:n]
         return piece
+
+    def token_piece(self, token: int) -> bytes:
+        """The bytes of one token with control tokens written out (llama.cpp's /tokenize and /detokenize)."""
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self._vocab_p, token, buf, 64, 0, True)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self._vocab_p, token, buf, -n, 0, True)
+        return buf.raw[:n]
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", "replace")
@@ -366,6 +315,114 @@ class Model:
 
     def __del__(self) -> None:
         self.close()
+
+
+class KVSequence:
+    """One KV sequence of a loaded model, mirrored in `tokens`: what the speculative loop decodes into."""
+
+    def __init__(self, model: Model, seq_id: int) -> None:
+        self.model, self.seq_id = model, seq_id
+        self.tokens: list[int] = []
+
+    @property
+    def n_ctx(self) -> int:
+        return self.model.n_ctx
+
+    @property
+    def n_past(self) -> int:
+        return len(self.tokens)
+
+    def is_eog(self, token: int) -> bool:
+        return self.model.is_eog(token)
+
+    def decode(self, tokens: Sequence[int], n_outputs: int = 1) -> np.ndarray:
+        """Append `tokens` to the cache; return logits of the last `n_outputs` of them.
+
+        The result, shape (n_outputs, n_vocab), is a view of llama.cpp's buffer:
+        valid until the next decode of any sequence. Copy what must outlive it.
+        """
+        n, md = len(tokens), self.model
+        if n == 0 or not 0 <= n_outputs <= min(n, md.n_batch):
+            raise ValueError(f"decode of {n} tokens with {n_outputs} outputs (batch {md.n_batch})")
+        if self.n_past + n > md.n_ctx:
+            raise ContextOverflowError(
+                f"{self.n_past + n} tokens do not fit the context of {md.n_ctx}; use a larger --ctx or a shorter prompt"
+            )
+        toks = np.asarray(tokens, dtype=np.int32)
+        md._set_batch_seq(self.seq_id)
+        first_out = n - n_outputs
+        for start in range(0, n, md.n_batch):
+            m = min(md.n_batch, n - start)
+            md._b_token[:m] = toks[start : start + m]
+            md._b_pos[:m] = np.arange(self.n_past, self.n_past + m, dtype=np.int32)
+            md._b_logits[:m] = np.arange(start, start + m) >= first_out
+            md._batch.n_tokens = m
+            try:
+                rc = llama_cpp.llama_decode(md._ctx, md._batch)
+                if rc == 0:
+                    self.tokens.extend(toks[start : start + m].tolist())
+            except BaseException:  # e.g. KeyboardInterrupt between the C call and the mirror update
+                self._resync()
+                raise
+            if rc != 0:
+                self._resync()
+                if rc == 1:
+                    raise ContextOverflowError(f"no KV slot for {m} tokens at position {self.n_past}; use a larger --ctx")
+                raise EdgespecError(f"llama_decode failed with code {rc} at position {self.n_past}")
+        if n_outputs == 0:
+            return np.empty((0, md.n_vocab), dtype=np.float32)
+        ptr = llama_cpp.llama_get_logits(md._ctx)
+        return np.ctypeslib.as_array(ptr, shape=(n_outputs, md.n_vocab))
+
+    def trim(self, n_keep: int) -> int:
+        """Keep the first `n_keep` cached tokens, drop the rest; returns how many were dropped."""
+        n_keep = max(0, min(n_keep, self.n_past))
+        dropped = self.n_past - n_keep
+        if dropped == 0:
+            return 0
+        if n_keep > 0 and not self.model.can_trim:
+            raise UnsupportedModelError(
+                f"{self.model.path.name} has a recurrent cache that cannot be cut at position {n_keep}; "
+                f"use it without speculation (--proposer none)"
+            )
+        if not llama_cpp.llama_memory_seq_rm(self.model._mem, self.seq_id, n_keep, -1):
+            raise UnsupportedModelError(f"llama.cpp refused to remove positions >= {n_keep} from {self.model.path.name}")
+        del self.tokens[n_keep:]
+        if (pos := self.pos_max()) != n_keep - 1:
+            raise EdgespecError(f"KV cache of {self.model.path.name} ends at {pos} after trimming to {n_keep}")
+        return dropped
+
+    def shared_prefix(self, tokens: Sequence[int]) -> int:
+        """Length of the cache's longest prefix shared with `tokens`, short of their last token
+        (which must be decoded again for its logits)."""
+        held = self.tokens
+        n = min(len(held), len(tokens) - 1)
+        if n >= 0 and held[:n] == list(tokens[:n]):  # the usual case, compared in C
+            return n
+        n = 0
+        for a, b in zip(held, tokens[:-1]):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def keep_prefix_of(self, tokens: Sequence[int]) -> int:
+        """Trim the cache to `shared_prefix(tokens)`; returns how many cached tokens were kept."""
+        n = self.shared_prefix(tokens)
+        self.trim(n)
+        return n
+
+    def pos_max(self) -> int:
+        """The last position llama.cpp holds for the sequence (-1 when empty)."""
+        return int(llama_cpp.llama_memory_seq_pos_max(self.model._mem, self.seq_id))
+
+    def _resync(self) -> None:
+        """Make the cache and its mirror agree after an interrupted or failed decode."""
+        held = self.pos_max() + 1
+        if held > len(self.tokens):  # decoded, but interrupted before the mirror was updated
+            llama_cpp.llama_memory_seq_rm(self.model._mem, self.seq_id, len(self.tokens), -1)
+        else:  # llama.cpp kept only part of a failed batch
+            del self.tokens[held:]
 
 
 def _check_gguf_file(path: Path) -> None:

@@ -98,13 +98,15 @@ def plan(
     k_max: int = MAX_K,
     n_ubatch: int = DEFAULT_N_BATCH,
     kv_type: str = "f16",
+    n_seq: int = 1,
 ) -> Plan:
     """Choose the context size, whether the draft loads, where layers go, and Kmax (at most `k_max`).
 
     The whole model set lives in one pool: VRAM (or unified memory) when there
     is a GPU, else RAM. With a GPU too small for both, the draft goes to the CPU.
     A verify batch of Kmax+1 tokens is one llama_decode of at most `n_ubatch` tokens,
-    with a logits row per token; Kmax shrinks before the target is refused.
+    with a logits row per token; Kmax shrinks before the target is refused. Each of
+    the `n_seq` KV sequences (server slots) holds the whole context.
     """
     gpu = budget.gpu_bytes > 0
     pool = int((budget.gpu_bytes if gpu else budget.ram_bytes) * HEADROOM)
@@ -116,7 +118,7 @@ def plan(
     def fixed(m: ModelMemory) -> int:
         return m.weights_bytes + m.compute_bytes(n_ubatch) + m.logits_bytes(rows)
 
-    kv_t = target.kv_bytes_per_token(kv_type)
+    kv_t = target.kv_bytes_per_token(kv_type) * n_seq
     need_min = fixed(target) + kv_t * MIN_CTX
     if need_min > pool:
         raise OutOfMemoryError(
@@ -127,12 +129,13 @@ def plan(
         )
     ctx = min(want_ctx, (pool - fixed(target)) // kv_t)
     if ctx < want_ctx:
-        notes.append(f"context reduced from {want_ctx} to {ctx} tokens to fit {_gib(pool)}")
+        slots = f" ({n_seq} slots of it)" if n_seq > 1 else ""
+        notes.append(f"context reduced from {want_ctx} to {ctx} tokens{slots} to fit {_gib(pool)}")
 
     load_draft = draft is not None
     draft_gpu_layers = 0
     if draft is not None:
-        kv_d = draft.kv_bytes_per_token(kv_type)
+        kv_d = draft.kv_bytes_per_token(kv_type) * n_seq
         need = fixed(target) + fixed(draft) + (kv_t + kv_d) * ctx
         if need <= pool:
             draft_gpu_layers = draft.n_layer if gpu else 0
@@ -143,9 +146,9 @@ def plan(
             notes.append(f"draft {draft.name} not loaded: it needs {_gib(fixed(draft) + kv_d * ctx)} more than the "
                          f"{_gib(pool - fixed(target) - kv_t * ctx)} left after the target")
 
-    items = _items(target, ctx, rows, n_ubatch, kv_type)
+    items = _items(target, ctx, rows, n_ubatch, kv_type, n_seq)
     if draft is not None and load_draft:
-        items += _items(draft, ctx, rows, n_ubatch, kv_type)
+        items += _items(draft, ctx, rows, n_ubatch, kv_type, n_seq)
     return Plan(budget, int(ctx), k_max, load_draft, target.n_layer if gpu else 0, draft_gpu_layers, items, notes)
 
 
@@ -163,9 +166,10 @@ def _k_max(target: ModelMemory, pool: int, k_max: int, n_ubatch: int, kv_type: s
     return k_max
 
 
-def _items(m: ModelMemory, ctx: int, rows: int, n_ubatch: int, kv_type: str) -> list[tuple[str, int]]:
+def _items(m: ModelMemory, ctx: int, rows: int, n_ubatch: int, kv_type: str, n_seq: int) -> list[tuple[str, int]]:
+    seqs = f" x {n_seq} slots" if n_seq > 1 else ""
     return [(f"{m.name} weights", m.weights_bytes),
-            (f"{m.name} KV cache ({ctx} tokens, {kv_type})", m.kv_bytes_per_token(kv_type) * ctx),
+            (f"{m.name} KV cache ({ctx} tokens{seqs}, {kv_type})", m.kv_bytes_per_token(kv_type) * ctx * n_seq),
             (f"{m.name} compute buffers", m.compute_bytes(n_ubatch)),
             (f"{m.name} logits ({rows} rows)", m.logits_bytes(rows))]
 

@@ -75,19 +75,15 @@ class ChatSession:
 
     def send(self, text: str) -> Iterator[Any]:
         """Stream the answer to `text` as engine Chunks; a partial answer (cancelled) is kept."""
-        from dataclasses import replace
-
         self.turns.append({"role": "user", "content": text})
         try:
             tokens = self._fit()
         except BaseException:
             self.turns.pop()
             raise
-        room = self.engine.n_ctx - len(tokens)
-        config = replace(self.config, max_tokens=min(self.config.max_tokens, room))
         answer: list[str] = []
-        try:
-            for chunk in self.engine.stream(tokens, config, stop=self.stop):
+        try:  # an answer longer than the room left ends at the context's end ("length")
+            for chunk in self.engine.stream(tokens, self.config, stop=self.stop):
                 answer.append(chunk.text)
                 if chunk.stats is not None:
                     self.last_stats, self.last_finish = chunk.stats, chunk.finish_reason
@@ -98,7 +94,7 @@ class ChatSession:
     def _fit(self) -> list[int]:
         """The prompt tokens, after dropping the oldest turns until an answer has room."""
         n_ctx = self.engine.n_ctx
-        want = min(self.config.max_tokens, n_ctx // 4)
+        want = min(self.config.max_tokens or n_ctx, n_ctx // 4)
         tokens = self.engine.chat_tokens(self.messages())
         dropped = 0
         while len(tokens) + want > n_ctx and len(self.turns) > 1:

@@ -21,11 +21,14 @@ from edgespec.config import (
     DEFAULT_MIN_P,
     DEFAULT_N_CTX,
     DEFAULT_PORT,
+    DEFAULT_SERVER_SLOTS,
+    DEFAULT_SSE_PING_SECONDS,
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
     FLASH_ATTN,
     MAX_K,
+    MAX_SEQ,
     PROPOSERS,
     SHUTDOWN_GRACE_SECONDS,
     EngineConfig,
@@ -103,7 +106,8 @@ _engine_options = _options(
 )
 _sampling_options = _options(
     click.option("-n", "--max-tokens", type=int, default=None,
-                 help=f"Most tokens to generate [default: {DEFAULT_MAX_TOKENS}; chat: until the context is full]."),
+                 help=f"Most tokens to generate; -1: until the context is full [default: {DEFAULT_MAX_TOKENS}; "
+                      f"chat: -1]."),
     click.option("-t", "--temperature", type=float, default=DEFAULT_TEMPERATURE, show_default=True,
                  help="0 is greedy decoding."),
     click.option("--top-k", type=int, default=DEFAULT_TOP_K, show_default=True),
@@ -114,10 +118,10 @@ _sampling_options = _options(
 )
 
 
-def _generation_config(o: dict[str, Any], max_tokens: int = DEFAULT_MAX_TOKENS) -> GenerationConfig:
+def _generation_config(o: dict[str, Any], max_tokens: int | None = DEFAULT_MAX_TOKENS) -> GenerationConfig:
     """The sampling options; `max_tokens` is the command's default when -n is not given."""
     return GenerationConfig(
-        max_tokens=max_tokens if o["max_tokens"] is None else o["max_tokens"],
+        max_tokens=max_tokens if o["max_tokens"] is None else None if o["max_tokens"] == -1 else o["max_tokens"],
         sampling=SamplingConfig(temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"],
                                 seed=o["seed"]))
 
@@ -154,12 +158,12 @@ def _progress(show: bool) -> _FetchBar | None:
     return _FetchBar() if show else None
 
 
-def _engine_config(o: dict[str, Any], mmap: bool = True) -> EngineConfig:
+def _engine_config(o: dict[str, Any], mmap: bool = True, n_seq: int = 1) -> EngineConfig:
     """The EngineConfig the engine options describe; `mmap` is the command's default for --mmap."""
     return EngineConfig(o["model"], o["draft"], o["proposer"], o["k"],
                         LoadConfig(n_ctx=o["n_ctx"], n_threads=default_threads() if o["threads"] is None
                                    else o["threads"], flash_attn=o["flash_attn"],
-                                   mmap=mmap if o["mmap"] is None else o["mmap"]),
+                                   mmap=mmap if o["mmap"] is None else o["mmap"], n_seq=n_seq),
                         parse_size(o["memory_budget"]) if o["memory_budget"] else None, o["source"])
 
 
@@ -265,7 +269,7 @@ def chat_cmd(system: str | None, interactive: bool | None, **o: Any) -> None:
 
     with _open_engine(o) as engine:
         # In a chat the context, not a fixed number, bounds an answer (unless -n says otherwise).
-        session = ChatSession(engine, _generation_config(o, max_tokens=engine.n_ctx), system=system, stop=o["stop"])
+        session = ChatSession(engine, _generation_config(o, max_tokens=None), system=system, stop=o["stop"])
         if not (sys.stdin.isatty() if interactive is None else interactive):
             text = _read_stdin().strip()
             if text:
@@ -331,11 +335,16 @@ def _answer(session: Any, text: str, quiet: bool) -> None:
 @click.option("--cors-origin", "cors_origins", multiple=True, help="Allow browser requests from this origin (repeatable); none by default.")
 @click.option("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, show_default=True)
 @click.option("--infill-cancel-older", is_flag=True, help="A newer /infill request cancels older ones still running.")
+@click.option("-np", "--slots", "n_seq", type=click.IntRange(1, MAX_SEQ), default=DEFAULT_SERVER_SLOTS, show_default=True,
+              help="Generations under way at once, each with its own KV cache of --ctx tokens (llama.cpp's "
+                   "--parallel): an editor's completions are served between the cycles of a chat answer.")
+@click.option("--sse-ping-interval", "keepalive", type=click.FloatRange(min=0.1), default=DEFAULT_SSE_PING_SECONDS,
+              show_default=True, help="Seconds a stream may stay silent (a long prefill) before a ': ping' comment.")
 @click.option("--shutdown-grace", type=click.FloatRange(min=0), default=SHUTDOWN_GRACE_SECONDS, show_default=True,
               help="Seconds requests in flight get after SIGTERM or Ctrl-C before they are cancelled.")
 @_errors
 def serve(host: str, port: int, api_key: str | None, cors_origins: tuple[str, ...], max_body_bytes: int,
-          infill_cancel_older: bool, shutdown_grace: float, **o: Any) -> None:
+          infill_cancel_older: bool, n_seq: int, keepalive: float, shutdown_grace: float, **o: Any) -> None:
     """Serve OpenAI-compatible and llama.cpp-style (/infill, /completion) endpoints."""
     try:
         from edgespec.server import Settings, create_app, is_loopback, serve as run_server
@@ -344,10 +353,10 @@ def serve(host: str, port: int, api_key: str | None, cors_origins: tuple[str, ..
     if not is_loopback(host) and not api_key:
         raise click.ClickException(f"refusing to listen on {host} without an API key: anyone who can reach it "
                                    f"could use it; pass --api-key KEY, or keep the default --host 127.0.0.1")
-    config = _engine_config(o, mmap=False)  # bad options end here, in one line, before the port opens
+    config = _engine_config(o, mmap=False, n_seq=n_seq)  # bad options end here, in one line, before the port opens
     settings = Settings(host=host, port=port, api_key=api_key, cors_origins=cors_origins,
                         max_body_bytes=max_body_bytes, infill_cancel_older=infill_cancel_older,
-                        model_name=Path(o["model"]).name)
+                        model_name=Path(o["model"]).name, keepalive_seconds=keepalive)
     if not o["quiet"]:
         click.echo(click.style(f"edgespec serving {o['model']} on http://{host}:{port} (GET /health is 503 until "
                                f"the model is loaded)", dim=True), err=True)

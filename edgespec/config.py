@@ -15,6 +15,7 @@ DEFAULT_N_CTX = 4096
 DEFAULT_N_BATCH = 512
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_K = 4  # most tokens proposed per cycle by a fixed proposer
+MAX_SEQ = 8  # most KV sequences (server slots) in one context
 MAX_K = 63  # most tokens proposed per cycle by any proposer: a verify batch of 64
 PROPOSERS = ("auto", "none", "ngram", "draft")
 # llama.cpp's defaults for the filters; temperature 0 (greedy) as in mlx-lm,
@@ -27,6 +28,8 @@ DEFAULT_MIN_P = 0.05
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8012  # llama.vim's and llama.vscode's default endpoint
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+DEFAULT_SSE_PING_SECONDS = 10.0  # a silent stream (a long CPU prefill) gets a comment this often
+DEFAULT_SERVER_SLOTS = 2  # a chat and an editor's completions, each keeping its prompt cache
 SHUTDOWN_GRACE_SECONDS = 10.0
 # Per-route defaults, as each API documents its own: OpenAI's completions stop at 16 tokens and sample at
 # temperature 1; a chat answer is bounded by the room left (and this); llama.cpp's routes sample at 0.8.
@@ -54,6 +57,9 @@ class LoadConfig:
     n_threads: int = field(default_factory=default_threads)
     n_batch: int = DEFAULT_N_BATCH
     n_gpu_layers: int = -1  # all layers on the GPU when llama.cpp was built with one
+    # KV sequences, each of n_ctx: generations that can be under way at once, each keeping its own prefix
+    # (the server's slots: a chat answer and an editor's completions).
+    n_seq: int = 1
     # llama.cpp's own default: on where the backend has the kernels. It changes the arithmetic, so
     # outputs compare exactly only between runs with the same setting (llama-cpp-python's Llama defaults to off).
     flash_attn: FlashAttn = "auto"
@@ -69,6 +75,8 @@ class LoadConfig:
                                       f"the {default_threads()} physical cores")
         if self.flash_attn not in FLASH_ATTN:
             raise InvalidRequestError(f"flash attention {self.flash_attn!r} must be one of {', '.join(FLASH_ATTN)}")
+        if not 1 <= self.n_seq <= MAX_SEQ:
+            raise InvalidRequestError(f"{self.n_seq} slots: use 1 to {MAX_SEQ} (--slots)")
         if self.n_batch < 1:
             raise InvalidRequestError(f"batch size {self.n_batch} must be >= 1")
 
@@ -88,8 +96,8 @@ class SamplingConfig:
             raise InvalidRequestError(f"temperature {self.temperature} must be in [0, 100]")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k {self.top_k} must be >= 0 (0 disables it)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p {self.top_p} must be in (0, 1] (1 disables it)")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p {self.top_p} must be in [0, 1] (1 disables it, 0 keeps the top token)")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p {self.min_p} must be in [0, 1] (0 disables it)")
 
@@ -104,14 +112,32 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    # None: until the context ends; 0: evaluate the prompt into the cache and generate nothing (llama.cpp's -1, 0).
+    # More than the room the prompt leaves also means until the context ends, with finish reason "length".
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # Keep the KV prefix this prompt shares with the previous one (llama.cpp's cache_prompt).
     reuse_prefix: bool = True
+    # llama.cpp's t_max_predict_ms, in seconds: once this much time has passed since the first token,
+    # the next token holding a newline ends the generation ("length"). For editors' completions.
+    time_limit: float | None = None
+    min_indent: int = 0  # llama.cpp's n_indent (text.IndentLimit)
+    proposer: str | None = None  # this generation's proposer ("none" turns speculation off); None: the engine's
+    k: int | None = None  # most tokens per cycle for this generation, at most the engine's; None: the engine's
+    slot: int | None = None  # the KV slot to run in (llama.cpp's id_slot); None: the best free one
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens {self.max_tokens} must be >= 1")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens {self.max_tokens} must be >= 0 (0 only evaluates the prompt), "
+                                      f"or None for up to the context")
+        if self.time_limit is not None and self.time_limit <= 0:
+            raise InvalidRequestError(f"time limit {self.time_limit} must be > 0 seconds, or None")
+        if self.min_indent < 0:
+            raise InvalidRequestError(f"min_indent {self.min_indent} must be >= 0 (0 disables it)")
+        if self.proposer is not None and self.proposer not in PROPOSERS:
+            raise InvalidRequestError(f"unknown proposer {self.proposer!r}; use one of {', '.join(PROPOSERS)}")
+        if self.k is not None and not 0 <= self.k <= MAX_K:
+            raise InvalidRequestError(f"k {self.k} must be in 0..{MAX_K} (0 turns speculation off)")
 
 
 @dataclass(frozen=True)

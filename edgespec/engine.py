@@ -7,14 +7,16 @@ collects a `Completion`. The CLI and the server use `stream`.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
 from edgespec import budget, chat, fim, loop
-from edgespec.backend import Model, ModelFacts, read_facts, supports_gpu_offload
+from edgespec.backend import KVSequence, Model, ModelFacts, read_facts, supports_gpu_offload
 from edgespec.budget import ModelMemory, Plan
 from edgespec.config import DEFAULT_MODEL, EngineConfig, GenerationConfig, LoadConfig
 from edgespec.costs import CostTracker, calibrate
@@ -27,9 +29,11 @@ from edgespec.proposers import Proposer
 from edgespec.proposers.auto import AutoProposer
 from edgespec.proposers.draft import DraftProposer
 from edgespec.proposers.ngram import NgramProposer
-from edgespec.text import TextStream
+from edgespec.text import IndentLimit, TextStream
 
 log = logging.getLogger(__name__)
+
+SLOT_POLL_SECONDS = 0.1  # a generation waiting for a slot checks its cancel event this often
 
 __all__ = ["Chunk", "Completion", "Engine", "FinishReason", "Stats", "plan_memory"]
 
@@ -43,6 +47,9 @@ class Chunk:
     from_draft: list[bool] = field(default_factory=list)  # per token: proposed and accepted, or the target's own
     finish_reason: FinishReason | None = None
     stats: Stats | None = None  # set on the last chunk
+    stop_word: str = ""  # last chunk: the stop string that ended it
+    truncated: bool = False  # last chunk: it ended because the context was full
+    slot: int = -1  # last chunk: the slot it ran in
 
 
 @dataclass
@@ -65,7 +72,7 @@ def plan_memory(target: Path, draft: Path | None, load: LoadConfig, k_max: int,
     draft_facts = read_facts(draft) if draft is not None else None
     return budget.plan(memory_of(facts), memory_of(draft_facts) if draft_facts else None,
                        budget.detect_budget(supports_gpu_offload(), memory_budget),
-                       n_ctx=load.n_ctx, k_max=k_max, n_ubatch=load.n_batch)
+                       n_ctx=load.n_ctx, k_max=k_max, n_ubatch=load.n_batch, n_seq=load.n_seq)
 
 
 class Engine:
@@ -88,6 +95,9 @@ class Engine:
         self.config = model if isinstance(model, EngineConfig) else EngineConfig(
             str(model), None if draft is None else str(draft), "none" if custom is not None else str(proposer), k,
             load or LoadConfig(), memory_budget, source)
+        if custom is not None and self.config.load.n_seq > 1:
+            raise InvalidRequestError(f"a Proposer object serves one generation at a time; use n_seq=1, not "
+                                      f"{self.config.load.n_seq}, or a proposer by name")
         self.notes: list[str] = []  # decisions a person should hear about (dropped draft, smaller context)
         self.cost_tracker: CostTracker | None = None  # auto only: calibrated costs, corrected by each pass
         target_path, draft_path = self._resolve(progress)
@@ -97,12 +107,14 @@ class Engine:
                 raise UnsupportedModelError(
                     f"{self.target.path.name} has a recurrent cache that cannot be rolled back, so it cannot "
                     f"verify drafts; use --proposer none")
-            self.proposer = custom or self._make_proposer(draft_path)
+            proposers = [custom] if custom is not None else self._make_proposers(draft_path)
         except BaseException:
             self.target.close()
             raise
-        self._lock = threading.Lock()  # one generation at a time per engine
-        self._running: threading.Event | None = None  # the cancel event of the generation under way
+        self.slots = [_Slot(cache, p) for cache, p in zip(self.target.sequences, proposers)]
+        self._free = threading.Condition()  # guards Slot.busy; notified when a slot is released
+        self._turn = FairLock()  # one target pass at a time: generations in other slots interleave by cycle
+        self._running: set[threading.Event] = set()  # cancel events of the generations under way
 
     def _resolve(self, progress: ProgressCallback | None) -> tuple[Path, Path | None]:
         """Fetch or find both models, plan their memory, and settle what loads where."""
@@ -126,7 +138,8 @@ class Engine:
         self._draft_layers = self.plan.draft_gpu_layers if gpu is None else gpu
         return target_path, draft_path
 
-    def _make_proposer(self, draft_path: Path | None) -> Proposer | None:
+    def _make_proposers(self, draft_path: Path | None) -> list[Proposer | None]:
+        """One proposer per slot (each on its own draft sequence), sharing the draft model and the costs."""
         name = self.config.proposer
         drafter = None
         if draft_path is not None:
@@ -137,16 +150,20 @@ class Engine:
                 draft_model.close()
                 raise
         try:
-            return _PROPOSERS[name](self, drafter)
+            if name == "auto":
+                drafter = self._calibrate(drafter)
+            drafters = [None if drafter is None else drafter.on_sequence(i) for i in range(self.load_config.n_seq)]
+            return [_PROPOSERS[name](self, d) for d in drafters]
         except BaseException:
             if drafter is not None:
                 drafter.close()
             raise
 
-    def _auto(self, drafter: DraftProposer | None) -> AutoProposer:
+    def _calibrate(self, drafter: DraftProposer | None) -> DraftProposer | None:
         """Calibrate this machine's costs; unload a draft that cannot pay even at DRAFT_ACCEPT_CEILING."""
         k_max = self.plan.k_max
         c = calibrate(self.target, drafter.model if drafter else None, k_max, calibration_dir())
+        self.cost_tracker = CostTracker(c)
         if drafter is not None and not draft_can_pay(c, k_max):
             self.notes.append(
                 f"draft {drafter.model.path.name} unloaded: on this machine it would be slower than plain decoding "
@@ -155,9 +172,17 @@ class Engine:
                 f"verifying {c.batches[-1]} tokens costs {c.target_seconds[-1] / c.target_seconds[0]:.1f} single steps)"
             )
             drafter.close()
-            drafter = None
-        self.cost_tracker = CostTracker(c)
+            return None
+        return drafter
+
+    def _auto(self, drafter: DraftProposer | None) -> AutoProposer:
+        assert self.cost_tracker is not None
         return AutoProposer(NgramProposer(self.target.is_eog), drafter, self.cost_tracker)
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """The first slot's proposer (the only one unless n_seq > 1)."""
+        return self.slots[0].proposer
 
     @property
     def costs(self) -> Costs | None:
@@ -173,8 +198,9 @@ class Engine:
         return self.target.n_vocab
 
     def close(self) -> None:
-        if self.proposer is not None:
-            self.proposer.close()
+        for slot in self.slots:
+            if slot.proposer is not None:
+                slot.proposer.close()
         self.target.close()
 
     def __enter__(self) -> Engine:
@@ -212,30 +238,24 @@ class Engine:
         return fim.infill_tokens(m.vocab, lambda text: m.tokenize(text, add_special=False, parse_special=False),
                                  prefix, suffix, prompt, extra, budget=m.n_ctx - max_tokens)
 
-    def check_fits(self, prompt: Sequence[int], max_tokens: int, prompt_name: str = "the prompt",
-                   max_tokens_name: str = "--max-tokens") -> None:
-        """Raise ContextOverflowError, with the numbers, unless prompt and answer fit the context.
+    def check_fits(self, prompt: Sequence[int], prompt_name: str = "the prompt") -> None:
+        """Raise ContextOverflowError, with the numbers, unless the prompt leaves room for one token.
 
-        The names are how the caller spells the two inputs (the server names its request fields)."""
+        An answer longer than the room left just ends there, with finish reason "length" (as in llama.cpp);
+        `prompt_name` is how the caller spells the prompt (the server names its request fields)."""
         n_ctx = self.n_ctx
         if not prompt:
             raise InvalidRequestError(f"{prompt_name} is empty; give at least one token of prompt")
         if len(prompt) >= n_ctx:
             raise ContextOverflowError(
                 f"{prompt_name} has {len(prompt)} tokens but the context holds {n_ctx}; "
-                f"shorten it or raise --ctx above {len(prompt)}"
-            )
-        if len(prompt) + max_tokens > n_ctx:
-            raise ContextOverflowError(
-                f"{max_tokens_name} {max_tokens} plus the prompt's {len(prompt)} tokens exceed the context of "
-                f"{n_ctx}; use {max_tokens_name} {n_ctx - len(prompt)} or less, or raise --ctx"
-            )
+                f"shorten it or raise --ctx above {len(prompt)}", n_prompt_tokens=len(prompt), n_ctx=n_ctx)
 
     # -- generation ------------------------------------------------------------
 
     def cancel(self) -> None:
-        """Stop the running generation after its current cycle (thread-safe)."""
-        if (running := self._running) is not None:
+        """Stop the running generations after their current cycle (thread-safe)."""
+        for running in list(self._running):
             running.set()
 
     def generate(self, prompt: str | Sequence[int], config: GenerationConfig | None = None,
@@ -252,44 +272,146 @@ class Engine:
                stop: Sequence[str] = (), cancel: threading.Event | None = None) -> Iterator[Chunk]:
         """Yield text as tokens are committed; the last chunk has finish_reason and stats.
 
-        Generations run one at a time; setting `cancel` (or calling `Engine.cancel()`
-        for the one under way) ends this one after its current cycle.
+        Each generation takes a free slot (the one whose cache shares the longest
+        prefix with the prompt, else the least recently used) and waits for one when
+        all are busy; generations in different slots take turns, one cycle each.
+        Setting `cancel` (or calling `Engine.cancel()`) ends it after its current cycle.
         """
         config = config or GenerationConfig()
         prompt_tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self.check_fits(prompt_tokens, config.max_tokens)
+        self.check_fits(prompt_tokens)
+        room = self.n_ctx - len(prompt_tokens)
+        if config.max_tokens is None or config.max_tokens > room:
+            config = replace(config, max_tokens=room)
+        self._proposer_for(self.slots[0], config)  # an impossible choice fails here, before any waiting
         cancel = cancel or threading.Event()
-        with self._lock:
-            self._running = cancel
+        self._running.add(cancel)
+        try:
+            slot = self._acquire(prompt_tokens, cancel, config.slot)
+            if slot is None:  # cancelled while it waited for a slot
+                yield Chunk("", [], [], "cancelled", Stats(prompt_tokens=len(prompt_tokens)))
+                return
             try:
-                yield from self._stream(prompt_tokens, config, stop, cancel)
+                yield from self._stream(slot, prompt_tokens, config, stop, cancel)
             finally:
-                self._running = None
+                with self._free:
+                    slot.busy, slot.last_used = False, time.monotonic()
+                    self._free.notify()
+        finally:
+            self._running.discard(cancel)
 
-    def _stream(self, prompt_tokens: list[int], config: GenerationConfig, stop: Sequence[str],
+    def _acquire(self, prompt: list[int], cancel: threading.Event, wanted: int | None) -> _Slot | None:
+        """A free slot: `wanted` (modulo the slot count, as llama.cpp's id_slot), else the best for `prompt`."""
+        with self._free:
+            while True:
+                free = [s for i, s in enumerate(self.slots)
+                        if not s.busy and (wanted is None or wanted < 0 or i == wanted % len(self.slots))]
+                if free:
+                    break
+                if cancel.is_set():
+                    return None
+                self._free.wait(SLOT_POLL_SECONDS)
+            slot = max(free, key=lambda s: (s.cache.shared_prefix(prompt), -s.last_used))
+            slot.busy = True
+            return slot
+
+    def _proposer_for(self, slot: _Slot, config: GenerationConfig) -> Proposer | None:
+        """The proposer a generation asked for: the slot's own, or a part of its auto proposer."""
+        own, name = slot.proposer, config.proposer
+        if name is None or config.k == 0 or (own is not None and name == own.name):
+            return None if config.k == 0 else own
+        if name == "none":
+            return None
+        part = getattr(own, name, None) if isinstance(own, AutoProposer) else None
+        if part is None:
+            loaded = own.name if own is not None else "none"
+            raise InvalidRequestError(f"proposer {name!r} is not available: this engine runs {loaded!r}"
+                                      f"{' without a draft model' if name == 'draft' else ''}; ask for "
+                                      f"{loaded!r} or 'none', or start it with --proposer auto"
+                                      f"{' --draft NAME' if name == 'draft' else ''}")
+        return part
+
+    def _stream(self, slot: _Slot, prompt_tokens: list[int], config: GenerationConfig, stop: Sequence[str],
                 cancel: threading.Event) -> Iterator[Chunk]:
         stats = Stats(prompt_tokens=len(prompt_tokens))
         if cancel.is_set():  # cancelled while it waited for the engine
             yield Chunk("", [], [], "cancelled", stats)
             return
-        text = TextStream(stop)
+        text, indent = TextStream(stop), IndentLimit(config.min_indent)
         finish: FinishReason = "length"
-        steps = loop.steps(self.target, self.proposer, prompt_tokens, config, stats, cancel, self.plan.k_max,
-                           self.config.k, reuse=config.reuse_prefix)
-        for tokens, from_draft, done in steps:
-            delta = []
-            for i, t in enumerate(tokens):
-                delta.append(text.push(self.target.token_bytes(t)))
-                if text.stopped:  # nothing after a stop string is emitted, even within one block
-                    tokens, from_draft, done = tokens[: i + 1], from_draft[: i + 1], "stop"
+        k = config.k if self.config.k is None or config.k is None else min(config.k, self.config.k)
+        steps = self._turns(loop.steps(slot.cache, self._proposer_for(slot, config), prompt_tokens, config, stats,
+                                       cancel, self.plan.k_max, k, reuse=config.reuse_prefix))
+        t_first = None
+        try:
+            for tokens, from_draft, done in steps:
+                now = time.perf_counter()
+                t_first = t_first or now
+                delta = []
+                for i, t in enumerate(tokens):
+                    piece = self.target.token_bytes(t)
+                    delta.append(indent.push(text.push(piece)))
+                    late = config.time_limit is not None and b"\n" in piece and now - t_first > config.time_limit
+                    if text.stopped or indent.stopped or late:  # nothing after the end is emitted
+                        tokens, from_draft = tokens[: i + 1], from_draft[: i + 1]
+                        done = "stop" if text.stopped else "length"
+                        break
+                if done is not None:
+                    finish = done
+                    delta.append(indent.push(text.flush()) + indent.flush())
+                    yield Chunk("".join(delta), tokens, from_draft)
                     break
-            if done is not None:
-                finish = done
-                delta.append(text.flush())
                 yield Chunk("".join(delta), tokens, from_draft)
-                break
-            yield Chunk("".join(delta), tokens, from_draft)
-        yield Chunk("", [], [], finish, stats)
+        finally:
+            steps.close()
+        full = finish == "length" and len(prompt_tokens) + stats.completion_tokens >= self.n_ctx
+        yield Chunk("", [], [], finish, stats, text.matched, full, self.slots.index(slot))
+
+    def _turns(self, steps: Iterator[loop.Step]) -> Generator[loop.Step, None, None]:
+        """Each step of a generation under the turn lock, released while the consumer has it."""
+        try:
+            while True:
+                with self._turn:
+                    step = next(steps, None)
+                if step is None:
+                    return
+                yield step
+        finally:
+            with self._turn:
+                steps.close()  # type: ignore[attr-defined]
+
+
+@dataclass
+class _Slot:
+    """A KV sequence of the target and the proposer that speculates on it."""
+
+    cache: KVSequence
+    proposer: Proposer | None
+    busy: bool = False
+    last_used: float = 0.0
+
+
+class FairLock:
+    """A lock taken in arrival order, so a generation that releases it and asks again waits behind the others."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: collections.deque[object] = collections.deque()
+        self._held = False
+
+    def __enter__(self) -> None:
+        me = object()
+        with self._cond:
+            self._queue.append(me)
+            while self._held or self._queue[0] is not me:
+                self._cond.wait()
+            self._queue.popleft()
+            self._held = True
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
 
 
 # The proposers by name: each builds from the engine and the loaded draft (None when there is none).

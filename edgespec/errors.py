@@ -28,7 +28,11 @@ class ChecksumError(FetchError):
 
 
 class ContextOverflowError(EdgespecError):
-    """A prompt, or prompt plus max_tokens, that does not fit the context."""
+    """A prompt that does not fit the context; `details` are the numbers (llama.cpp's error carries them)."""
+
+    def __init__(self, message: str, **details: int) -> None:
+        super().__init__(message)
+        self.details = details
 
 
 class InvalidRequestError(EdgespecError):

@@ -20,6 +20,7 @@ from edgespec.proposers import Proposal, Proposer
 
 FinishReason = Literal["stop", "length", "cancelled"]
 Clock = Callable[[], float]
+Step = tuple[list[int], list[bool], "FinishReason | None"]  # tokens committed, which were drafted, finish
 
 
 class Target(Protocol):
@@ -144,7 +145,7 @@ def cycle(target: Target, proposer: Proposer | None, committed: list[int], k: in
 
 def steps(target: Target, proposer: Proposer | None, prompt: list[int], config: GenerationConfig, stats: Stats,
           cancel: threading.Event, k_max: int, user_k: int | None = None, reuse: bool = True,
-          clock: Clock = time.perf_counter) -> Iterator[tuple[list[int], list[bool], FinishReason | None]]:
+          clock: Clock = time.perf_counter) -> Iterator[Step]:
     """Committed tokens, one cycle at a time, with the finish reason on the last cycle.
 
     Invariant between cycles: the target cache holds committed[:-1]; the last
@@ -152,10 +153,15 @@ def steps(target: Target, proposer: Proposer | None, prompt: list[int], config: 
     """
     sc = config.sampling
     rng = sc.rng()
+    room = target.n_ctx - len(prompt)
+    limit = room if config.max_tokens is None else min(config.max_tokens, room)
     t0 = clock()
     logits = prefill(target, prompt, stats, reuse)
     stats.prefill_seconds = clock() - t0
     t1 = clock()
+    if limit == 0:  # the prompt is in the cache (for the next request to reuse); nothing more
+        yield [], [], "length"
+        return
     try:
         first = sampling.sample(logits[-1], sc, rng)
         if target.is_eog(first):
@@ -163,14 +169,14 @@ def steps(target: Target, proposer: Proposer | None, prompt: list[int], config: 
             return
         committed = [*prompt, first]
         stats.completion_tokens = 1
-        if config.max_tokens == 1:
+        if limit == 1:
             yield [first], [False], "length"
             return
         yield [first], [False], None
         if proposer is not None:
             proposer.begin(committed, sc, rng)
         while True:
-            k = k_cap(target.n_ctx - len(committed), config.max_tokens - stats.completion_tokens, k_max, user_k)
+            k = k_cap(target.n_ctx - len(committed), limit - stats.completion_tokens, k_max, user_k)
             new, n_accepted = cycle(target, proposer, committed, k, sc, rng, stats, clock)
             stop_at = next((i for i, t in enumerate(new) if target.is_eog(t)), None)
             if stop_at is not None:
@@ -182,7 +188,7 @@ def steps(target: Target, proposer: Proposer | None, prompt: list[int], config: 
                 target.trim(len(committed) - 1)
                 yield new, from_draft, "stop"
                 return
-            if stats.completion_tokens >= config.max_tokens:
+            if stats.completion_tokens >= limit:
                 yield new, from_draft, "length"
                 return
             if cancel.is_set():

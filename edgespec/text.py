@@ -31,6 +31,7 @@ class TextStream:
         self._stop = tuple(s for s in stop if s)
         self._held = ""  # decoded text not yet released
         self.stopped = False  # a stop string was found; nothing after it is released
+        self.matched = ""  # the stop string found
 
     def push(self, data: bytes) -> str:
         """Feed one token's bytes; returns the text that is now final."""
@@ -40,7 +41,7 @@ class TextStream:
         if not self._stop:
             out, self._held = self._held, ""
             return out
-        cut = min((i for i in (self._held.find(s) for s in self._stop) if i >= 0), default=-1)
+        cut, self.matched = min(((i, s) for s in self._stop if (i := self._held.find(s)) >= 0), default=(-1, ""))
         if cut >= 0:
             self.stopped = True
             out, self._held = self._held[:cut], ""
@@ -66,3 +67,39 @@ class TextStream:
                     best = n
                     break
         return best
+
+
+class IndentLimit:
+    """llama.cpp's n_indent: after the first generated newline, a line whose first character other than
+    space or tab comes after fewer than `n` of them ends the generation, from that character on (a blank
+    line counts). Unlike llama.cpp, a line's start is held back until it is decided, so the line that
+    ends the generation is never streamed."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._pending: str | None = None  # spaces and tabs of an undecided line start; None: not at one
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        if self.n <= 0 or self.stopped:
+            return "" if self.stopped else text
+        out = []
+        for c in text:
+            if self._pending is None:
+                out.append(c)
+                if c == "\n":
+                    self._pending = ""
+            elif c in " \t":
+                self._pending += c
+                if len(self._pending) >= self.n:
+                    out.append(self._pending)
+                    self._pending = None
+            else:  # the line's first other character comes too early: stop, keeping its indentation
+                out.append(self._pending)
+                self._pending, self.stopped = None, True
+                break
+        return "".join(out)
+
+    def flush(self) -> str:
+        out, self._pending = self._pending or "", None
+        return out

@@ -17,12 +17,16 @@ from test_server import Server
 
 EXAMPLES = 120
 
-SAMPLING = ["temperature", "top_k", "top_p", "min_p", "seed", "stop", "stream", "cache_prompt", "n", "model"]
+SAMPLING = ["temperature", "top_k", "top_p", "min_p", "seed", "stop", "stream", "cache_prompt", "model", "samplers",
+            "n_indent", "t_max_predict_ms", "id_slot", "speculative", "speculative.n_max", "logprobs", "tools",
+            "frequency_penalty"]
+OPENAI = ["n", "stream_options", "response_format", "user"]
+LLAMA = ["n_predict", "response_fields", "return_tokens", "n_probs", "grammar"]
 FIELDS = {
-    "/v1/completions": ["prompt", "max_tokens", "max_completion_tokens", *SAMPLING],
-    "/v1/chat/completions": ["messages", "max_tokens", "max_completion_tokens", *SAMPLING],
-    "/completion": ["prompt", "n_predict", *SAMPLING],
-    "/infill": ["input_prefix", "input_suffix", "input_extra", "prompt", "n_predict", *SAMPLING],
+    "/v1/completions": ["prompt", "max_tokens", "max_completion_tokens", *SAMPLING, *OPENAI],
+    "/v1/chat/completions": ["messages", "max_tokens", "max_completion_tokens", *SAMPLING, *OPENAI],
+    "/completion": ["prompt", *SAMPLING, *LLAMA],
+    "/infill": ["input_prefix", "input_suffix", "input_extra", "prompt", *SAMPLING, *LLAMA],
 }
 
 # Text with what breaks naive servers: NUL, a lone surrogate, control and non-BMP characters.
@@ -93,7 +97,8 @@ def check(server: Server, route: str, raw: bytes) -> None:
         assert message == "the JSON body must be an object", (raw, message)
         return
     # a field the body sent, or one of the route's that it left out (e.g. "'prompt' is required")
-    assert any(f"'{k}'" in message or f"{k}[" in message for k in [*body, *FIELDS[route]]), (raw, message)
+    assert any(f"'{k}'" in message or repr(k) in message or f"{k}[" in message for k in [*body, *FIELDS[route]]), (
+        raw, message)
 
 
 def fuzz(route: str):

@@ -164,11 +164,15 @@ def test_native_completion_with_timings(qwen_server):
 
 
 @pytest.mark.parametrize("body, message", [
-    ({"prompt": "x", "max_tokens": -5}, "'max_tokens' must be between 1 and 2048"),
-    ({"prompt": "x", "max_tokens": 10**9}, "'max_tokens' must be between 1 and 2048"),
+    ({"prompt": "x", "max_tokens": -5}, "'max_tokens' must be between -1 and 2147483647, got -5"),
+    ({"prompt": "x", "max_tokens": 2**31}, "'max_tokens' must be between -1 and 2147483647"),
     ({"prompt": "x", "temperature": "hot"}, "'temperature' must be a number"),
     ({"prompt": "x", "top_p": 7}, "'top_p' must be between"),
-    ({"prompt": "x", "n": 3}, "'n' must be 1"),
+    ({"prompt": "x", "n": 3}, "'n' 3 is refused unless 1"),
+    ({"prompt": "x", "logprobs": 2}, "'logprobs' 2 is refused unless false/0"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, "'frequency_penalty' 0.5 is refused unless 0"),
+    ({"prompt": "x", "colour": "blue"}, "'colour' is not a field /v1/completions takes"),
+    ({"prompt": "x", "response_fields": ["content"]}, "'response_fields' is not a field /v1/completions"),
     ({"prompt": "x", "cache_prompt": "yes"}, "'cache_prompt' must be true or false"),
     ({"prompt": 42}, "'prompt' must be a string"),
     ({"prompt": "word " * 3000, "max_tokens": 4}, "'prompt' has 3001 tokens"),

@@ -56,7 +56,7 @@ def test_unknown_routes_and_methods_are_json_errors(smol, method, path, status):
     r = httpx.request(method, smol.url + path, timeout=30)
     assert r.status_code == status
     err = r.json()["error"]
-    assert err["code"] == status and f"{method} {path}" in err["message"] and "POST /infill" in err["message"]
+    assert err["code"] == status and f"{method} {path}" in err["message"] and "/infill" in err["message"]
 
 
 def test_a_half_sent_request_does_not_hold_up_the_others(smol):

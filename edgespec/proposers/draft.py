@@ -8,13 +8,14 @@ extra row in the next draft batch instead of a separate pass.
 
 from __future__ import annotations
 
+import copy
 import time
 from typing import Sequence
 
 import numpy as np
 
 from edgespec import sampling
-from edgespec.backend import Model
+from edgespec.backend import KVSequence, Model
 from edgespec.config import SamplingConfig
 from edgespec.errors import IncompatibleDraftError
 from edgespec.proposers import Proposal
@@ -55,6 +56,7 @@ class DraftProposer:
     def __init__(self, draft: Model, target: Model, p_min: float = 0.0) -> None:
         check_compatible(target, draft)
         self.model = draft
+        self.cache: Model | KVSequence = draft  # the KV sequence it drafts on (the model's own: sequence 0)
         self.p_min = p_min  # stop drafting at a token the draft itself rates below this
         self._n_vocab = min(draft.n_vocab, target.n_vocab)
         self._cfg = SamplingConfig()
@@ -63,16 +65,23 @@ class DraftProposer:
         # Seconds per drafted token in the last proposal that needed no catch-up; None otherwise.
         self.last_seconds_per_token: float | None = None
 
+    def on_sequence(self, seq: int) -> DraftProposer:
+        """A proposer like this one on the draft model's KV sequence `seq` (for the target's slot `seq`)."""
+        other = copy.copy(self)
+        other.cache = self.model.sequences[seq]
+        other._base, other.last_seconds_per_token = 0, None
+        return other
+
     def lag(self, context: Sequence[int]) -> int:
         """Tokens the draft must decode before its first proposal: the last committed one, and
         everything committed while it was not used (all of the prompt the first time)."""
-        return len(context) - self.model.shared_prefix(context)
+        return len(context) - self.cache.shared_prefix(context)
 
     def begin(self, prompt: Sequence[int], cfg: SamplingConfig, rng: np.random.Generator) -> None:
         self._cfg, self._rng = cfg, rng  # the prompt itself is decoded lazily by the first propose
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
-        m = self.model
+        m = self.cache
         m.keep_prefix_of(context)
         self._base = len(context)
         self.last_seconds_per_token = None
@@ -104,7 +113,7 @@ class DraftProposer:
 
     def accept(self, n_accepted: int, seconds: float | None = None) -> None:
         # Keep the context and the accepted drafts; trim clamps when the cache lags by one.
-        self.model.trim(self._base + n_accepted)
+        self.cache.trim(self._base + n_accepted)
 
     def close(self) -> None:
         self.model.close()

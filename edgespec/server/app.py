@@ -32,11 +32,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgespec import errors
+from edgespec import __version__, errors
+from edgespec.backend import library_version
 from edgespec.config import (
     DEFAULT_HOST,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_PORT,
+    DEFAULT_SSE_PING_SECONDS,
     LLAMA_N_PREDICT,
     LLAMA_TEMPERATURE,
     OPENAI_CHAT_MAX_TOKENS,
@@ -44,7 +46,7 @@ from edgespec.config import (
     OPENAI_TEMPERATURE,
     SHUTDOWN_GRACE_SECONDS,
 )
-from edgespec.server import schemas
+from edgespec.server import metrics, schemas
 
 if TYPE_CHECKING:
     from edgespec.engine import Chunk, Engine
@@ -58,8 +60,10 @@ DISCONNECT_POLL_SECONDS = 0.1
 SHUTDOWN_BACKSTOP_SECONDS = 5
 # A body over the limit is still read (and dropped) up to this size, so that the client reads the 413.
 MAX_DRAIN_BYTES = 64 << 20
-ROUTES_HELP = ("GET /health, GET /v1/models, POST /v1/completions, POST /v1/chat/completions, POST /completion, "
-               "POST /infill")
+ROUTES_HELP = ("GET /health, /v1/models, /props, /metrics; POST /v1/completions, /v1/chat/completions, "
+               "/completion, /infill, /tokenize, /detokenize, /apply-template")
+KEEPALIVE = ": ping\n\n"  # an SSE comment: clients skip it, and it keeps idle-timeouts off a long prefill
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclass
@@ -71,6 +75,7 @@ class Settings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     infill_cancel_older: bool = False  # a newer /infill cancels older ones (editors retype constantly)
     model_name: str = "edgespec"
+    keepalive_seconds: float = DEFAULT_SSE_PING_SECONDS  # a stream silent this long gets a ': ping' comment
 
 
 def is_loopback(host: str) -> bool:
@@ -89,17 +94,22 @@ class _Service:
         self.settings, self.load_engine = settings, load_engine
         self.loaded: Engine | None = None
         self.load_error: str | None = None
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="engine")
+        # One worker per engine slot: generations in slots interleave by cycle, the rest wait in arrival order.
+        self.executor: ThreadPoolExecutor | None = None
         self.infills: set[threading.Event] = set()
         self.active: set[threading.Event] = set()  # cancel events of every request in flight
         self.finished: dict[str, int] = {}  # generations by finish reason, for /health
         self.draining = False  # a signal came: new requests get 503, those in flight get a grace period
+        self.metrics = metrics.Metrics({r for r in ROUTES_HELP.replace(",", " ").replace(";", " ").split()
+                                        if r.startswith("/")})
 
     # -- lifetime ------------------------------------------------------------------
 
     def load(self) -> None:
         try:
-            self.loaded = self.load_engine()
+            engine = self.load_engine()
+            self.executor = ThreadPoolExecutor(len(engine.slots), thread_name_prefix="engine")
+            self.loaded = engine
         except Exception as e:  # reported by /health and every endpoint, instead of a dead process
             log.exception("loading the model failed")
             self.load_error = str(e)
@@ -110,7 +120,8 @@ class _Service:
         yield
         for cancel in list(self.active):  # the grace period is over: end what still runs within a cycle
             cancel.set()
-        self.executor.shutdown(wait=True, cancel_futures=True)  # the engine must be idle before it is freed
+        if self.executor is not None:  # the engine must be idle before it is freed
+            self.executor.shutdown(wait=True, cancel_futures=True)
         if self.loaded is not None:
             self.loaded.close()
 
@@ -152,17 +163,24 @@ class _Service:
             raise errors.InvalidRequestError("the JSON body must be an object")
         return body
 
-    def count(self, reason: str | None) -> None:
+    def count(self, last: Chunk) -> None:
+        reason = last.finish_reason
         self.finished[reason or "error"] = self.finished.get(reason or "error", 0) + 1
+        if last.stats is not None:
+            self.metrics.generation(last.stats, reason)
+
+    def submit(self, job: Callable[[], Any]) -> asyncio.Future:
+        """Run `job` on an engine worker (one per slot), counted in the queue metrics."""
+        assert self.executor is not None  # set before the engine is, and engine() checked that
+        return asyncio.get_running_loop().run_in_executor(self.executor, self.metrics.queued(job))
 
     async def run(self, request: Request, prompt: list[int], req: schemas.Request, cancel: threading.Event
-                  ) -> tuple[str, list[Chunk]]:
+                  ) -> list[Chunk]:
         """Generate without streaming, cancelling if the client disconnects meanwhile."""
         eng = self.engine()
-        loop = asyncio.get_running_loop()
         self.active.add(cancel)
         try:
-            job = loop.run_in_executor(self.executor, lambda: list(eng.stream(prompt, req.config, req.stop, cancel)))
+            job = self.submit(lambda: list(eng.stream(prompt, req.config, req.stop, cancel)))
             while not job.done():
                 if await request.is_disconnected():
                     cancel.set()
@@ -170,12 +188,13 @@ class _Service:
             chunks = job.result()
         finally:
             self.active.discard(cancel)
-        self.count(chunks[-1].finish_reason)
-        return "".join(c.text for c in chunks), chunks
+        self.count(chunks[-1])
+        return chunks
 
     def stream_chunks(self, prompt: list[int], req: schemas.Request, cancel: threading.Event
-                      ) -> AsyncIterator[Chunk]:
-        """Chunks from the worker thread as they come; closing the iterator (a disconnect) cancels."""
+                      ) -> AsyncIterator[Chunk | None]:
+        """Chunks from the worker thread as they come, None after each `keepalive_seconds` without one
+        (a long prefill); closing the iterator (a disconnect) cancels."""
         eng = self.engine()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -186,18 +205,25 @@ class _Service:
                 for chunk in eng.stream(prompt, req.config, req.stop, cancel):
                     loop.call_soon_threadsafe(queue.put_nowait, chunk)
                     if chunk.finish_reason is not None:
-                        loop.call_soon_threadsafe(self.count, chunk.finish_reason)
+                        loop.call_soon_threadsafe(self.count, chunk)
             except Exception as e:
                 loop.call_soon_threadsafe(queue.put_nowait, e)
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, done)
 
         self.active.add(cancel)
-        self.executor.submit(work)
+        self.submit(work)
 
-        async def gen() -> AsyncIterator[Chunk]:
+        async def gen() -> AsyncIterator[Chunk | None]:
             try:
-                while (item := await queue.get()) is not done:
+                while True:
+                    try:
+                        item = await asyncio.wait_for(queue.get(), self.settings.keepalive_seconds)
+                    except asyncio.TimeoutError:
+                        yield None
+                        continue
+                    if item is done:
+                        return
                     if isinstance(item, Exception):
                         raise item
                     yield item
@@ -222,35 +248,81 @@ class _Service:
         return JSONResponse({"object": "list", "data": [
             {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "edgespec"}]})
 
+    async def props(self, request: Request) -> Response:
+        """llama.cpp's /props: what llama.vscode and others read to learn the context and the template."""
+        eng = self.engine()
+        m = eng.target
+        defaults = schemas.generation({}, schemas.COMPLETION, eng.n_ctx, LLAMA_N_PREDICT, LLAMA_TEMPERATURE)
+        return JSONResponse({
+            "default_generation_settings": {"params": defaults.settings, "n_ctx": eng.n_ctx},
+            "total_slots": len(eng.slots), "model_alias": self.settings.model_name, "model_path": str(m.path),
+            "modalities": {"vision": False, "audio": False},
+            "chat_template": m.facts.chat_template or "",
+            "bos_token": m.token_text(m.vocab.bos) if m.vocab.bos is not None else "",
+            "eos_token": m.token_text(m.vocab.eos) if m.vocab.eos is not None else "",
+            "build_info": f"edgespec {__version__}, llama-cpp-python {library_version()}",
+            "speculative": {"proposer": eng.config.proposer, "k_max": eng.plan.k_max,
+                            "draft": eng.config.draft, "draft_loaded": any(
+                                getattr(s.proposer, "draft", None) is not None or getattr(s.proposer, "name", "")
+                                == "draft" for s in eng.slots)},
+            "endpoint_metrics": True, "endpoint_slots": False, "endpoint_props": True,
+        })
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self.body_of(request)
+        _only(body, {"content", "add_special", "parse_special", "with_pieces"}, "/tokenize")
+        content, add_special, parse_special, with_pieces = schemas.tokenize_request(body)
+        m = self.engine().target
+        tokens = m.tokenize(content, add_special=add_special, parse_special=parse_special)
+        if not with_pieces:
+            return JSONResponse({"tokens": tokens})
+        return JSONResponse({"tokens": [{"id": t, "piece": _piece(m.token_piece(t))} for t in tokens]})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self.body_of(request)
+        _only(body, {"tokens"}, "/detokenize")
+        m = self.engine().target
+        pieces = b"".join(m.token_piece(t) for t in schemas.token_list(body, "tokens", m.n_vocab))
+        return JSONResponse({"content": pieces.decode("utf-8", "replace")})
+
+    async def apply_template(self, request: Request) -> Response:
+        body = await self.body_of(request)
+        _only(body, {"messages", "model"}, "/apply-template")
+        return JSONResponse({"prompt": self.engine().chat_text(schemas.messages(body))})
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=metrics.CONTENT_TYPE)
+
     async def completions(self, request: Request) -> Response:
         body = await self.body_of(request)
         eng = self.engine()
-        req = schemas.generation(body, eng.n_ctx, OPENAI_COMPLETIONS_MAX_TOKENS, OPENAI_TEMPERATURE)
+        req = schemas.generation(body, schemas.OPENAI_COMPLETIONS, eng.n_ctx, OPENAI_COMPLETIONS_MAX_TOKENS,
+                                 OPENAI_TEMPERATURE)
         return await self.openai_response(request, _prompt(body, eng), req, "'prompt'", chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self.body_of(request)
         eng = self.engine()
+        req = schemas.generation(body, schemas.OPENAI_CHAT, eng.n_ctx, OPENAI_CHAT_MAX_TOKENS, OPENAI_TEMPERATURE)
         prompt = eng.chat_tokens(schemas.messages(body))
-        room = max(1, eng.n_ctx - len(prompt))
-        req = schemas.generation(body, eng.n_ctx, min(OPENAI_CHAT_MAX_TOKENS, room), OPENAI_TEMPERATURE)
         return await self.openai_response(request, prompt, req, "'messages'", chat=True)
 
     async def completion(self, request: Request) -> Response:
         """llama.cpp's native /completion, as Continue and others call it."""
         body = await self.body_of(request)
         eng = self.engine()
-        req = schemas.generation(body, eng.n_ctx, LLAMA_N_PREDICT, LLAMA_TEMPERATURE, "n_predict")
+        req = schemas.generation(body, schemas.COMPLETION, eng.n_ctx, LLAMA_N_PREDICT, LLAMA_TEMPERATURE)
         return await self.llama_response(request, _prompt(body, eng), req, "'prompt'")
 
     async def infill(self, request: Request) -> Response:
         """llama.cpp's /infill: prefix, suffix and extra files around the cursor, as llama.vim sends them."""
         body = await self.body_of(request)
         eng = self.engine()
-        req = schemas.generation(body, eng.n_ctx, LLAMA_N_PREDICT, LLAMA_TEMPERATURE, "n_predict")
+        req = schemas.generation(body, schemas.INFILL, eng.n_ctx, LLAMA_N_PREDICT, LLAMA_TEMPERATURE)
+        room = req.config.max_tokens if req.config.max_tokens else LLAMA_N_PREDICT  # kept free for the answer
         prompt = eng.infill_tokens(
             schemas.text_field(body, "input_prefix", "") or "", schemas.text_field(body, "input_suffix", "") or "",
-            schemas.text_field(body, "prompt", "") or "", schemas.extra_chunks(body), req.config.max_tokens)
+            schemas.text_field(body, "prompt", "") or "", schemas.extra_chunks(body), min(room, eng.n_ctx // 2))
         return await self.llama_response(request, prompt, req, "the infill prompt ('input_prefix', 'input_suffix', "
                                                                "'prompt', 'input_extra')", infill=True)
 
@@ -259,33 +331,34 @@ class _Service:
     async def openai_response(self, request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
                               chat: bool) -> Response:
         # Checked before a stream starts: a 400, not a broken stream.
-        self.engine().check_fits(prompt, req.config.max_tokens, prompt_name, req.max_tokens_field)
+        self.engine().check_fits(prompt, prompt_name)
         head = _OpenAIHead(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time()),
                            self.settings.model_name, chat)
         cancel = threading.Event()
         if not req.stream:
-            text, chunks = await self.run(request, prompt, req, cancel)
-            return JSONResponse(head.completion(text, chunks[-1]))
+            chunks = await self.run(request, prompt, req, cancel)
+            return JSONResponse(head.completion("".join(c.text for c in chunks), chunks[-1], req))
         chunks = self.stream_chunks(prompt, req, cancel)
 
         async def events() -> AsyncIterator[str]:
             first = True
             async for c in chunks:
+                if c is None:
+                    yield KEEPALIVE
+                    continue
                 if c.finish_reason is None and not c.text:
                     continue
-                yield f"data: {json.dumps(head.chunk(c, first))}\n\n"
+                yield _sse(head.chunk(c, first, req))
                 first = False
-
-        async def sse() -> AsyncIterator[str]:
-            async for event in _sse_guard(events()):
-                yield event
+                if c.stats is not None and req.include_usage:
+                    yield _sse(head.usage_chunk(c))
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(_sse_guard(events()), media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def llama_response(self, request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
                              infill: bool = False) -> Response:
-        self.engine().check_fits(prompt, req.config.max_tokens, prompt_name, req.max_tokens_field)
+        self.engine().check_fits(prompt, prompt_name)
         model = self.settings.model_name
         cancel = threading.Event()
         if infill and self.settings.infill_cancel_older:
@@ -295,28 +368,28 @@ class _Service:
             self.infills.add(cancel)
         try:
             if not req.stream:
-                text, chunks = await self.run(request, prompt, req, cancel)
-                return JSONResponse(_llama_final(text, chunks[-1], model))
+                chunks = await self.run(request, prompt, req, cancel)
+                final = _llama_final("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
+                                     chunks[-1], model, req)
+                return JSONResponse(schemas.pick_fields(final, req.response_fields))
         finally:
             if not req.stream:
                 self.infills.discard(cancel)
         chunks = self.stream_chunks(prompt, req, cancel)
 
         async def events() -> AsyncIterator[str]:
-            async for c in chunks:
-                if c.stats is not None:
-                    yield f"data: {json.dumps(_llama_final(c.text, c, model))}\n\n"
-                elif c.text:
-                    yield f"data: {json.dumps({'content': c.text, 'stop': False})}\n\n"
-
-        async def sse() -> AsyncIterator[str]:
             try:
-                async for event in _sse_guard(events()):
-                    yield event
+                async for c in chunks:
+                    if c is None:
+                        yield KEEPALIVE
+                    elif c.stats is not None:  # in a stream, the text came in the earlier events
+                        yield _sse(schemas.pick_fields(_llama_final("", [], c, model, req), req.response_fields))
+                    elif c.text or c.tokens:
+                        yield _sse({"content": c.text, "tokens": c.tokens, "stop": False})
             finally:
                 self.infills.discard(cancel)
 
-        return StreamingResponse(sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(_sse_guard(events()), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
 def create_app(settings: Settings, load_engine: Callable[[], Engine]) -> Starlette:
@@ -325,12 +398,18 @@ def create_app(settings: Settings, load_engine: Callable[[], Engine]) -> Starlet
     routes = [
         Route("/health", svc.health, methods=["GET"]),
         Route("/v1/models", svc.models, methods=["GET"]),
+        Route("/props", _guard(svc.props), methods=["GET"]),
+        Route("/metrics", svc.metrics_text, methods=["GET"]),
         Route("/v1/completions", _guard(svc.completions), methods=["POST"]),
         Route("/v1/chat/completions", _guard(svc.chat_completions), methods=["POST"]),
         Route("/completion", _guard(svc.completion), methods=["POST"]),
         Route("/infill", _guard(svc.infill), methods=["POST"]),
+        Route("/tokenize", _guard(svc.tokenize), methods=["POST"]),
+        Route("/detokenize", _guard(svc.detokenize), methods=["POST"]),
+        Route("/apply-template", _guard(svc.apply_template), methods=["POST"]),
     ]
-    middleware = [Middleware(_Safety, settings=settings)]
+    # Outermost first: every answer is counted, the 401, 403 and 413 of _Safety too.
+    middleware = [Middleware(_Counted, metrics=svc.metrics), Middleware(_Safety, settings=settings)]
     if settings.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                                      allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
@@ -352,7 +431,7 @@ class _OpenAIHead:
     def _object(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
 
-    def completion(self, text: str, last: Chunk) -> dict[str, Any]:
+    def completion(self, text: str, last: Chunk, req: schemas.Request) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": 0, "finish_reason": _openai_finish(last.finish_reason)}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -360,9 +439,15 @@ class _OpenAIHead:
             choice |= {"text": text, "logprobs": None}
         assert last.stats is not None
         return self._object("chat.completion" if self.chat else "text_completion", choice) | {
-            "usage": _usage(last.stats), "speculative": _spec(last.stats)}
+            "usage": _usage(last.stats), "speculative": _spec(last.stats, req)}
 
-    def chunk(self, c: Chunk, first: bool) -> dict[str, Any]:
+    def usage_chunk(self, last: Chunk) -> dict[str, Any]:
+        """stream_options.include_usage: a last chunk with the usage and no choices, as OpenAI sends it."""
+        assert last.stats is not None
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [], "usage": _usage(last.stats)}
+
+    def chunk(self, c: Chunk, first: bool, req: schemas.Request) -> dict[str, Any]:
         finish = _openai_finish(c.finish_reason) if c.finish_reason else None
         if self.chat:
             delta: dict[str, Any] = {"content": c.text} if c.text or not finish else {}
@@ -373,7 +458,7 @@ class _OpenAIHead:
             event = self._object("text_completion", {"index": 0, "text": c.text, "logprobs": None,
                                                      "finish_reason": finish})
         if c.stats is not None:
-            event |= {"usage": _usage(c.stats), "speculative": _spec(c.stats)}
+            event |= {"usage": _usage(c.stats), "speculative": _spec(c.stats, req)}
         return event
 
 
@@ -430,6 +515,9 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
 
 def _domain_error(e: errors.EdgespecError) -> JSONResponse:
     status = next(code for cls, code in _STATUS if isinstance(e, cls))
+    if isinstance(e, errors.ContextOverflowError):  # llama.cpp's type, with its numbers
+        return JSONResponse({"error": {"message": str(e), "type": "exceed_context_size_error", "code": status,
+                                       **e.details}}, status_code=status)
     return _error(status, str(e), "invalid_request_error" if status < 500 else "server_error")
 
 
@@ -466,7 +554,8 @@ async def _unexpected(request: Request, exc: Exception) -> Response:
 
 
 async def _sse_guard(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Pass events through; an error midway becomes an error event instead of a cut connection."""
+    """Pass events through; an error midway becomes llama.cpp's error event, `data: {"error": ...}` (which the
+    openai package raises as APIError), and the stream ends there, without [DONE]."""
     try:
         async for event in events:
             yield event
@@ -474,6 +563,25 @@ async def _sse_guard(events: AsyncIterator[str]) -> AsyncIterator[str]:
         yield f"data: {_domain_error(e).body.decode()}\n\n"
     except Exception as e:
         yield f"data: {_internal_error(e).body.decode()}\n\n"
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _only(body: dict[str, Any], known: set[str], route: str) -> None:
+    for key in body:
+        if key not in known:
+            raise errors.InvalidRequestError(f"{key!r} is not a field {route} takes; its fields are "
+                                             f"{', '.join(sorted(known))}")
+
+
+def _piece(data: bytes) -> str | list[int]:
+    """A token's piece as llama.cpp's /tokenize gives it: text when it is valid UTF-8, else its bytes."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)
 
 
 def _prompt(body: dict[str, Any], eng: Engine) -> list[int]:
@@ -496,30 +604,57 @@ def _usage(s: Stats) -> dict[str, int]:
             "total_tokens": s.prompt_tokens + s.completion_tokens}
 
 
-def _spec(s: Stats) -> dict[str, Any]:
-    return {"drafted": s.drafted, "accepted": s.accepted, "acceptance_rate": round(s.acceptance_rate, 4),
-            "cycles": s.cycles, "tokens_per_second": round(s.tokens_per_second, 2),
+def _spec(s: Stats, req: schemas.Request) -> dict[str, Any]:
+    """The speculation figures of one generation, with the proposer and k cap it asked for (null: the server's)."""
+    return {"proposer": req.config.proposer, "k": req.config.k, "drafted": s.drafted, "accepted": s.accepted,
+            "acceptance_rate": round(s.acceptance_rate, 4), "cycles": s.cycles,
+            "cycles_by_proposer": dict(s.cycles_by_proposer), "tokens_per_second": round(s.tokens_per_second, 2),
             "cached_prompt_tokens": s.cached_prompt_tokens}
 
 
-def _llama_final(text: str, last: Chunk, model: str) -> dict[str, Any]:
+def _llama_final(text: str, tokens: list[int], last: Chunk, model: str, req: schemas.Request) -> dict[str, Any]:
+    """llama.cpp's final /completion object (and the old stopped_* flags some clients still read)."""
     s = last.stats
     assert s is not None
+    evaluated = s.prompt_tokens - s.cached_prompt_tokens
     decoded = max(s.completion_tokens - 1, 0)
+    stop_type = {"stop": "word" if last.stop_word else "eos", "length": "limit"}.get(last.finish_reason or "", "none")
     return {
-        "content": text, "stop": True, "model": model, "tokens_predicted": s.completion_tokens,
-        "tokens_evaluated": s.prompt_tokens, "tokens_cached": s.cached_prompt_tokens,
-        "stopped_eos": last.finish_reason == "stop", "stopped_limit": last.finish_reason == "length",
-        "stopped_word": False, "truncated": False, "cancelled": last.finish_reason == "cancelled",
+        "index": 0, "content": text, "tokens": tokens if req.return_tokens else [], "id_slot": last.slot,
+        "stop": True, "model": model, "tokens_predicted": s.completion_tokens, "tokens_evaluated": s.prompt_tokens,
+        "generation_settings": req.settings, "has_new_line": "\n" in text, "truncated": last.truncated,
+        "stop_type": stop_type, "stopping_word": last.stop_word, "tokens_cached": s.cached_prompt_tokens,
+        "stopped_eos": stop_type == "eos", "stopped_limit": stop_type == "limit", "stopped_word": stop_type == "word",
+        "cancelled": last.finish_reason == "cancelled",
         "timings": {
-            "prompt_n": s.prompt_tokens - s.cached_prompt_tokens, "prompt_ms": s.prefill_seconds * 1000,
-            "prompt_per_second": (s.prompt_tokens - s.cached_prompt_tokens) / s.prefill_seconds if s.prefill_seconds else 0,
+            "cache_n": s.cached_prompt_tokens, "prompt_n": evaluated, "prompt_ms": s.prefill_seconds * 1000,
+            "prompt_per_token_ms": s.prefill_seconds * 1000 / evaluated if evaluated else 0,
+            "prompt_per_second": evaluated / s.prefill_seconds if s.prefill_seconds else 0,
             "predicted_n": s.completion_tokens, "predicted_ms": s.decode_seconds * 1000,
+            "predicted_per_token_ms": s.decode_seconds * 1000 / decoded if decoded else 0,
             "predicted_per_second": decoded / s.decode_seconds if s.decode_seconds else 0,
             "draft_n": s.drafted, "draft_n_accepted": s.accepted,
         },
-        "speculative": _spec(s),
+        "speculative": _spec(s, req),
     }
+
+
+class _Counted:
+    """Counts every answer by route and status, for /metrics."""
+
+    def __init__(self, app: Any, metrics: metrics.Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.request(scope["path"], message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
 
 
 class _Safety:

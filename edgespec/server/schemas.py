@@ -1,33 +1,201 @@
-"""Request fields to engine settings: every number bounded, every error naming field, value and range."""
+"""Request fields to engine settings, as llama.cpp's server reads them; every field is honoured or refused.
+
+`FIELDS` lists every field a generation route knows: what edgespec does with it,
+or, for a field it does not implement, the value at which that field changes
+nothing (a request may send it at that value). A field outside the list, or a
+field edgespec does not implement at another value, is refused by name with a
+400, never silently ignored. The README's endpoint table is this list.
+"""
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
-from edgespec.config import DEFAULT_MIN_P, DEFAULT_TOP_K, DEFAULT_TOP_P, GenerationConfig, SamplingConfig
+from edgespec.config import (
+    DEFAULT_MIN_P,
+    DEFAULT_TOP_K,
+    DEFAULT_TOP_P,
+    MAX_K,
+    PROPOSERS,
+    GenerationConfig,
+    SamplingConfig,
+)
 from edgespec.errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_EXTRA_CHUNKS = 64
+MAX_RESPONSE_FIELDS = 64
+
+OPENAI_CHAT, OPENAI_COMPLETIONS, COMPLETION, INFILL = "/v1/chat/completions", "/v1/completions", "/completion", "/infill"
+ROUTES = (OPENAI_CHAT, OPENAI_COMPLETIONS, COMPLETION, INFILL)
+LLAMA_ROUTES = (COMPLETION, INFILL)
+
+# llama.cpp's default sampler chain, in order; a `samplers` list is honoured when it keeps this order.
+SAMPLER_CHAIN = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+SAMPLER_ALIASES = {"top-k": "top_k", "topk": "top_k", "top-p": "top_p", "topp": "top_p", "nucleus": "top_p",
+                   "min-p": "min_p", "minp": "min_p", "temp": "temperature", "typ-p": "typ_p", "typp": "typ_p",
+                   "typ": "typ_p", "top-n-sigma": "top_n_sigma", "topnsigma": "top_n_sigma"}
+SAMPLER_CHARS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
+                 "m": "min_p", "x": "xtc", "t": "temperature", "i": "infill"}
+# Samplers edgespec has; the others in SAMPLER_CHAIN do nothing at their defaults (refused otherwise, below).
+OWN_SAMPLERS = ("top_k", "top_p", "min_p", "temperature")
+
+
+@dataclass(frozen=True)
+class Field:
+    what: str  # for the README: what edgespec does with it
+    routes: tuple[str, ...] = ROUTES
+    no_op: Callable[[Any], bool] | None = None  # not implemented: the values at which it changes nothing
+
+
+def _is(*values: Any) -> Callable[[Any], bool]:
+    """null or one of `values` (numbers compared by value, booleans only with booleans)."""
+
+    def same(v: Any, x: Any) -> bool:
+        if isinstance(v, bool) or isinstance(x, bool):
+            return v is x
+        if isinstance(v, (int, float)) and isinstance(x, (int, float)):
+            return v == x
+        return type(v) is type(x) and v == x
+
+    return lambda v: v is None or any(same(v, x) for x in values)
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v == [] or v == {} or v == ""
+
+
+_OAI = (OPENAI_CHAT, OPENAI_COMPLETIONS)
+_NEXT = "structured output and tools are not implemented yet"
+FIELDS: dict[str, Field] = {
+    # -- the prompt -------------------------------------------------------------------------------------------
+    "messages": Field("the chat, laid out by the model's own template (text parts of content lists)", (OPENAI_CHAT,)),
+    "prompt": Field("text or token ids; on /infill, text placed just before the cursor's prefix",
+                    (OPENAI_COMPLETIONS, COMPLETION, INFILL)),
+    "input_prefix": Field("code before the cursor", (INFILL,)),
+    "input_suffix": Field("code after the cursor", (INFILL,)),
+    "input_extra": Field("other files' chunks [{filename, text}], as repository context", (INFILL,)),
+    # -- length and stopping ----------------------------------------------------------------------------------
+    "n_predict": Field("most tokens; -1 until the context ends, 0 evaluates the prompt into the cache only; more "
+                       "than the room left ends at the context's end with finish reason length"),
+    "max_tokens": Field("as n_predict (llama.cpp reads n_predict, then max_completion_tokens, then max_tokens)"),
+    "max_completion_tokens": Field("as n_predict"),
+    "stop": Field("up to 16 strings; the text ends before the first one"),
+    "t_max_predict_ms": Field("once this many ms have passed since the first token, the next newline ends it"),
+    "n_indent": Field("a line after the first with less indentation than this ends it (not streamed)"),
+    # -- sampling ---------------------------------------------------------------------------------------------
+    "temperature": Field("0 or less is greedy; at most 100"),
+    "top_k": Field("0 or less turns it off"),
+    "top_p": Field("1 turns it off, 0 keeps the top token"),
+    "min_p": Field("0 turns it off"),
+    "seed": Field("-1 is random; any other integer reproduces the sample"),
+    "samplers": Field("names or letters; top_k, top_p, min_p, temperature honoured (one left out is off, "
+                      "temperature left out samples at 1, as in llama.cpp), in llama.cpp's order; the other "
+                      "names do nothing at their defaults; infill is accepted and not applied (edgespec has no "
+                      "infill sampler)"),
+    "n": Field("refused unless 1: one answer per request", _OAI, _is(1)),
+    # -- caching, slots, speculation -----------------------------------------------------------------------------
+    "cache_prompt": Field("reuse the KV prefix the slot shares with this prompt (default true)"),
+    "id_slot": Field("run in this slot (modulo the slot count; -1 picks the slot sharing the longest prefix)"),
+    "speculative": Field('{"proposer": auto|none|ngram|draft, "k": cap, "enabled": bool} for this request; '
+                         'echoed in the response\'s speculative stats'),
+    "speculative.n_max": Field("llama.cpp's spelling of speculative.k"),
+    # -- responses --------------------------------------------------------------------------------------------
+    "stream": Field("server-sent events; ': ping' comments keep a long prefill's connection alive"),
+    "stream_options": Field("include_usage: a last chunk with usage and no choices", _OAI),
+    "response_fields": Field("the final JSON holds only these paths; a/b moves b of object a to the top level "
+                             "under the key a/b", LLAMA_ROUTES),
+    "return_tokens": Field("the generated token ids in 'tokens'", LLAMA_ROUTES),
+    "timings_per_token": Field("timings in every streamed event", LLAMA_ROUTES),
+    # -- accepted, no effect by design --------------------------------------------------------------------------
+    "model": Field("accepted and not used: the server serves the one model it loaded (GET /v1/models)"),
+    "user": Field("accepted and not used: an end-user id for the provider's abuse monitoring", _OAI),
+    "t_max_prompt_ms": Field("accepted and not used: llama.cpp's server does not implement it either"),
+    "n_keep": Field("accepted and not used: it only matters for context shifting, which edgespec does not do "
+                    "(an answer ends at the context's end, as in llama.cpp by default)"),
+    "n_discard": Field("accepted and not used: as n_keep"),
+    "repeat_last_n": Field("accepted: no effect while repeat_penalty is 1"),
+    "dry_base": Field("accepted: no effect while dry_multiplier is 0"),
+    "dry_allowed_length": Field("accepted: no effect while dry_multiplier is 0"),
+    "dry_penalty_last_n": Field("accepted: no effect while dry_multiplier is 0"),
+    "dry_sequence_breakers": Field("accepted: no effect while dry_multiplier is 0"),
+    "xtc_threshold": Field("accepted: no effect while xtc_probability is 0"),
+    "mirostat_tau": Field("accepted: no effect while mirostat is 0"),
+    "mirostat_eta": Field("accepted: no effect while mirostat is 0"),
+    "dynatemp_exponent": Field("accepted: no effect while dynatemp_range is 0"),
+    "min_keep": Field("accepted: edgespec's filters always keep at least one token; larger values refused",
+                      no_op=_is(0, 1)),
+    "echo": Field("refused unless false: the prompt is not echoed", (OPENAI_COMPLETIONS,), _is(False)),
+    "best_of": Field("refused unless 1: one answer per request", (OPENAI_COMPLETIONS,), _is(1)),
+    "suffix": Field("refused: use /infill for fill-in-the-middle", (OPENAI_COMPLETIONS,), _empty),
+    # -- not implemented: refused unless at the value that changes nothing --------------------------------------------
+    "frequency_penalty": Field("refused unless 0: penalties are not implemented yet", no_op=_is(0.0)),
+    "presence_penalty": Field("refused unless 0: penalties are not implemented yet", no_op=_is(0.0)),
+    "repeat_penalty": Field("refused unless 1: penalties are not implemented yet", no_op=_is(1.0)),
+    "logit_bias": Field("refused unless empty: not implemented yet", no_op=_empty),
+    "logprobs": Field("refused unless false/0: not implemented yet", no_op=_is(False, 0)),
+    "top_logprobs": Field("refused unless 0: not implemented yet", _OAI, _is(0)),
+    "n_probs": Field("refused unless 0: not implemented yet", LLAMA_ROUTES, _is(0)),
+    "post_sampling_probs": Field("refused unless false: probabilities are not implemented yet", LLAMA_ROUTES,
+                                 _is(False)),
+    "response_format": Field(f"refused unless {{\"type\": \"text\"}}: {_NEXT}", _OAI,
+                             lambda v: v is None or v == {"type": "text"}),
+    "grammar": Field(f"refused unless empty: {_NEXT}", LLAMA_ROUTES, _empty),
+    "json_schema": Field(f"refused: {_NEXT}", LLAMA_ROUTES, lambda v: v is None),
+    "tools": Field(f"refused unless empty: {_NEXT}", _OAI, _empty),
+    "tool_choice": Field(f"refused unless none or auto without tools: {_NEXT}", _OAI, _is("none", "auto")),
+    "parallel_tool_calls": Field("accepted without tools", _OAI, _is(True, False)),
+    "functions": Field(f"refused: {_NEXT}", _OAI, _empty),
+    "function_call": Field(f"refused: {_NEXT}", _OAI, _is("none", "auto")),
+    "ignore_eos": Field("refused unless false: not implemented", no_op=_is(False)),
+    "typical_p": Field("refused unless 1: not implemented", no_op=_is(1.0)),
+    "tfs_z": Field("refused unless 1: not implemented", no_op=_is(1.0)),
+    "top_n_sigma": Field("refused unless negative: not implemented",
+                         no_op=lambda v: v is None or isinstance(v, (int, float)) and v < 0),
+    "mirostat": Field("refused unless 0: not implemented", no_op=_is(0)),
+    "dry_multiplier": Field("refused unless 0: not implemented", no_op=_is(0.0)),
+    "xtc_probability": Field("refused unless 0: not implemented", no_op=_is(0.0)),
+    "dynatemp_range": Field("refused unless 0: not implemented", no_op=_is(0.0)),
+    "lora": Field("refused unless empty: edgespec loads no adapters", LLAMA_ROUTES, _empty),
+    "n_cache_reuse": Field("refused unless 0: chunk reuse by KV shifting is not implemented", LLAMA_ROUTES, _is(0)),
+    "return_progress": Field("refused unless false: not implemented", LLAMA_ROUTES, _is(False)),
+    "speculative.n_min": Field("refused unless 0: auto decides per cycle whether a bet pays", no_op=_is(0)),
+    "speculative.p_min": Field("refused unless 0: auto sets the draft's own cut-off", no_op=_is(0.0)),
+}
+
+
+def check_fields(body: dict[str, Any], route: str) -> None:
+    """Refuse, by name, a field this route does not know or does not implement at the value sent."""
+    for key, value in body.items():
+        f = FIELDS.get(key)
+        if f is None or route not in f.routes:
+            raise InvalidRequestError(f"{key!r} is not a field {route} takes; remove it (the README's endpoint "
+                                      f"table lists every field edgespec honours or accepts)")
+        if f.no_op is not None and not f.no_op(value):
+            raise InvalidRequestError(f"'{key}' {json.dumps(value)} is {f.what}; remove the field")
+    if body.get("tool_choice") not in (None, "none") and not _empty(body.get("tools")):
+        raise InvalidRequestError(f"'tools' and 'tool_choice' are not supported: {_NEXT}; remove them")
 
 
 def number(body: dict[str, Any], key: str, default: float | None, lo: float, hi: float, integer: bool = False,
            aliases: Sequence[str] = ()) -> Any:
-    """body[key] (or an alias) checked for type and range; `default` when absent or null."""
-    value = body.get(key)
+    """body[key] (or the first alias present), checked for type and range; `default` when absent or null."""
+    name, value = key, body.get(key)
     for alias in aliases:
         if value is None:
-            value = body.get(alias)
+            name, value = alias, body.get(alias)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and isinstance(value, float)
                                                                            and not value.is_integer()):
-        raise InvalidRequestError(f"'{key}' must be {'an integer' if integer else 'a number'}, got {value!r}")
+        raise InvalidRequestError(f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}")
     if math.isnan(value) or not lo <= value <= hi:
-        raise InvalidRequestError(f"'{key}' must be between {lo:g} and {hi:g}, got {value!r}")
+        bounds = f"{int(lo)} and {int(hi)}" if integer else f"{lo:g} and {hi:g}"
+        raise InvalidRequestError(f"'{name}' must be between {bounds}, got {value!r}")
     return int(value) if integer else float(value)
 
 
@@ -49,44 +217,7 @@ def stops(body: dict[str, Any]) -> tuple[str, ...]:
         raise InvalidRequestError("'stop' must be a string or a list of strings")
     if len(items) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_LENGTH for s in items):
         raise InvalidRequestError(f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LENGTH} chars")
-    return tuple(items)
-
-
-@dataclass(frozen=True)
-class Request:
-    config: GenerationConfig
-    stop: tuple[str, ...]
-    stream: bool
-    max_tokens_field: str  # as the request spelled it, for errors: 'max_tokens', 'n_predict', or the default
-
-
-def generation(body: dict[str, Any], n_ctx: int, default_max_tokens: int, default_temperature: float,
-               length_field: str = "max_tokens") -> Request:
-    """The fields OpenAI's and llama.cpp's endpoints share (llama.cpp spells max_tokens n_predict).
-
-    Defaults follow each API: temperature 1.0 for OpenAI's, 0.8 for llama.cpp's. `length_field` is the
-    route's own name for the length, named in errors when the request left it out.
-    """
-    max_tokens = number(body, "max_tokens", None, 1, n_ctx, integer=True, aliases=("max_completion_tokens",))
-    if max_tokens is None:
-        n_predict = number(body, "n_predict", None, -1, n_ctx, integer=True)
-        max_tokens = default_max_tokens if n_predict in (None, -1) else n_predict
-    given = [k for k in ("max_tokens", "max_completion_tokens", "n_predict") if body.get(k) is not None]
-    field_name = f"'{given[0] if given else length_field}'"
-    if max_tokens < 1:
-        raise InvalidRequestError(f"'n_predict' must be -1 (up to the context) or between 1 and {n_ctx}, got {max_tokens}")
-    if body.get("n", 1) != 1:
-        raise InvalidRequestError(f"'n' must be 1 (one completion per request), got {body.get('n')!r}")
-    sampling = SamplingConfig(
-        temperature=number(body, "temperature", default_temperature, 0.0, 2.0),
-        top_k=number(body, "top_k", DEFAULT_TOP_K, 0, 1000, integer=True),
-        top_p=number(body, "top_p", DEFAULT_TOP_P, 1e-6, 1.0),
-        min_p=number(body, "min_p", DEFAULT_MIN_P, 0.0, 1.0),
-        seed=number(body, "seed", None, -(2**63), 2**63 - 1, integer=True),
-    )
-    stream, cache_prompt = flag(body, "stream", False), flag(body, "cache_prompt", True)
-    return Request(GenerationConfig(max_tokens=max_tokens, sampling=sampling, reuse_prefix=cache_prompt), stops(body),
-                   stream, field_name)
+    return tuple(s for s in items if s)
 
 
 def flag(body: dict[str, Any], key: str, default: bool) -> bool:
@@ -99,6 +230,132 @@ def flag(body: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
+@dataclass(frozen=True)
+class Request:
+    config: GenerationConfig
+    stop: tuple[str, ...]
+    stream: bool
+    response_fields: tuple[str, ...] = ()
+    return_tokens: bool = False
+    include_usage: bool = False
+    timings_per_token: bool = False
+    settings: dict[str, Any] = field(default_factory=dict)  # as llama.cpp's generation_settings
+
+
+def generation(body: dict[str, Any], route: str, n_ctx: int, default_max_tokens: int | None,
+               default_temperature: float) -> Request:
+    """The fields every generation route shares, with llama.cpp's meanings (OpenAI's where they differ)."""
+    check_fields(body, route)
+    max_tokens = number(body, "n_predict", None, -1, 2**31 - 1, integer=True,
+                        aliases=("max_completion_tokens", "max_tokens"))
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    elif max_tokens == -1:
+        max_tokens = None
+    sampling = _sampling(body, default_temperature)
+    time_limit = number(body, "t_max_predict_ms", None, -1, 2**63 - 1, integer=True)
+    proposer, k = _speculative(body)
+    config = GenerationConfig(
+        max_tokens=max_tokens, sampling=sampling, reuse_prefix=flag(body, "cache_prompt", True),
+        time_limit=time_limit / 1000 if time_limit and time_limit > 0 else None,
+        min_indent=number(body, "n_indent", 0, 0, 2**31 - 1, integer=True), proposer=proposer, k=k,
+        slot=number(body, "id_slot", None, -1, 2**31 - 1, integer=True))
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
+        raise InvalidRequestError(f"'stream_options' {options!r}: only {{\"include_usage\": bool}} is supported")
+    settings = {"n_predict": -1 if max_tokens is None else max_tokens, "temperature": sampling.temperature,
+                "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p,
+                "seed": -1 if sampling.seed is None else sampling.seed, "n_indent": config.min_indent,
+                "t_max_predict_ms": -1 if time_limit is None else time_limit, "cache_prompt": config.reuse_prefix,
+                "samplers": list(_samplers(body))}
+    return Request(config, stops(body), flag(body, "stream", False), _response_fields(body),
+                   flag(body, "return_tokens", False), flag(options or {}, "include_usage", False),
+                   flag(body, "timings_per_token", False), settings)
+
+
+def _sampling(body: dict[str, Any], default_temperature: float) -> SamplingConfig:
+    """llama.cpp's conventions: top_k <= 0 off, temperature <= 0 greedy, seed -1 random; a sampler left out of
+    `samplers` is off (temperature left out samples at 1)."""
+    chain = _samplers(body)
+    temperature = max(0.0, number(body, "temperature", default_temperature, -math.inf, 100.0))
+    return SamplingConfig(
+        temperature=temperature if "temperature" in chain else 1.0,
+        top_k=max(0, number(body, "top_k", DEFAULT_TOP_K, -(2**31), 2**31 - 1, integer=True)) if "top_k" in chain else 0,
+        top_p=number(body, "top_p", DEFAULT_TOP_P, 0.0, 1.0) if "top_p" in chain else 1.0,
+        min_p=number(body, "min_p", DEFAULT_MIN_P, 0.0, 1.0) if "min_p" in chain else 0.0,
+        seed=number(body, "seed", None, -(2**63), 2**63 - 1, integer=True),
+    )
+
+
+def _samplers(body: dict[str, Any]) -> tuple[str, ...]:
+    """The `samplers` chain as canonical names (llama.cpp takes names or a string of letters)."""
+    value = body.get("samplers")
+    if value is None:
+        return SAMPLER_CHAIN
+    if isinstance(value, str):
+        names = [SAMPLER_CHARS.get(c) for c in value]
+        if None in names:
+            raise InvalidRequestError(f"'samplers' {value!r}: letters are {''.join(SAMPLER_CHARS)}")
+    elif isinstance(value, list) and all(isinstance(n, str) for n in value):
+        names = [SAMPLER_ALIASES.get(n.lower(), n.lower()) for n in value]
+        unknown = [n for n in names if n not in SAMPLER_CHAIN and n != "infill"]
+        if unknown:
+            raise InvalidRequestError(f"'samplers' has unknown names {unknown}; use names from "
+                                      f"{', '.join(SAMPLER_CHAIN)}, infill")
+    else:
+        raise InvalidRequestError("'samplers' must be a list of names or a string of letters")
+    own = [n for n in names if n in OWN_SAMPLERS]
+    if own != [n for n in SAMPLER_CHAIN if n in own]:
+        raise InvalidRequestError(f"'samplers' {value!r}: edgespec applies {', '.join(OWN_SAMPLERS)} in that order "
+                                  f"only (llama.cpp's default); reorder them")
+    return tuple(names)  # type: ignore[arg-type]
+
+
+def _speculative(body: dict[str, Any]) -> tuple[str | None, int | None]:
+    """(proposer, k) from the `speculative` object or llama.cpp's flat speculative.n_max."""
+    spec = body.get("speculative")
+    if spec is None:
+        spec = {}
+    if not isinstance(spec, dict) or not set(spec) <= {"proposer", "k", "enabled"}:
+        raise InvalidRequestError(f"'speculative' {spec!r} must be an object with any of proposer "
+                                  f"({', '.join(PROPOSERS)}), k (0..{MAX_K}) and enabled (true/false)")
+    proposer = spec.get("proposer")
+    if proposer is not None and proposer not in PROPOSERS:
+        raise InvalidRequestError(f"'speculative.proposer' {proposer!r}: use one of {', '.join(PROPOSERS)}")
+    k = number(spec, "k", None, 0, MAX_K, integer=True)
+    n_max = number(body, "speculative.n_max", None, 0, MAX_K, integer=True)
+    k = n_max if k is None else k if n_max is None else min(k, n_max)
+    if not flag(spec, "enabled", True):
+        proposer = "none"
+    return proposer, k
+
+
+def _response_fields(body: dict[str, Any]) -> tuple[str, ...]:
+    value = body.get("response_fields")
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_RESPONSE_FIELDS or not all(isinstance(p, str) for p in value):
+        raise InvalidRequestError(f"'response_fields' must be a list of at most {MAX_RESPONSE_FIELDS} paths "
+                                  f"like \"content\" or \"timings/prompt_n\"")
+    return tuple(value)
+
+
+def pick_fields(result: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
+    """llama.cpp's response_fields: only these paths, each under its own full path as key; missing ones left out."""
+    if not paths:
+        return result
+    out: dict[str, Any] = {}
+    for path in paths:
+        current: Any = result
+        for key in path.split("/"):
+            if not isinstance(current, dict) or key not in current:
+                break
+            current = current[key]
+        else:
+            out[path] = current
+    return out
+
+
 def messages(body: dict[str, Any]) -> list[dict[str, str]]:
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
@@ -106,10 +363,20 @@ def messages(body: dict[str, Any]) -> list[dict[str, str]]:
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-            raise InvalidRequestError(f"messages[{i}] needs a role of system, user or assistant")
+            raise InvalidRequestError(f"messages[{i}] needs a role of system, user or assistant"
+                                      + (f" ({_NEXT}, so role 'tool' is refused)" if isinstance(m, dict)
+                                         and m.get("role") == "tool" else ""))
+        if m.get("tool_calls"):
+            raise InvalidRequestError(f"messages[{i}].tool_calls is not supported: {_NEXT}")
         content = m.get("content", "")
-        if isinstance(content, list):  # OpenAI's content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if content is None:
+            content = ""
+        if isinstance(content, list):  # OpenAI's content parts: text only
+            kinds = {p.get("type") if isinstance(p, dict) else type(p).__name__ for p in content}
+            if kinds - {"text"}:
+                raise InvalidRequestError(f"messages[{i}].content has parts of type {sorted(map(str, kinds - {'text'}))}; "
+                                          f"this server reads text parts only")
+            content = "".join(p.get("text", "") for p in content)
         if not isinstance(content, str):
             raise InvalidRequestError(f"messages[{i}].content must be a string or a list of text parts")
         out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
@@ -128,3 +395,19 @@ def extra_chunks(body: dict[str, Any]) -> list[tuple[str, str]]:
             raise InvalidRequestError(f"input_extra[{i}] must be an object with string 'filename' and 'text'")
         out.append((chunk.get("filename", "tmp"), chunk.get("text", "")))
     return out
+
+
+def tokenize_request(body: dict[str, Any]) -> tuple[str, bool, bool, bool]:
+    """/tokenize: (content, add_special, parse_special, with_pieces) with llama.cpp's defaults."""
+    return (text_field(body, "content", "") or "", flag(body, "add_special", False),
+            flag(body, "parse_special", True), flag(body, "with_pieces", False))
+
+
+def token_list(body: dict[str, Any], key: str, n_vocab: int) -> list[int]:
+    value = body.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise InvalidRequestError(f"'{key}' must be a list of token ids")
+    bad = [t for t in value if not 0 <= t < n_vocab]
+    if bad:
+        raise InvalidRequestError(f"token ids must be in 0..{n_vocab - 1}, got {bad[:4]}")
+    return value

@@ -338,7 +338,7 @@ def _answer(session: Any, text: str, quiet: bool) -> None:
 @click.option("-np", "--slots", "n_seq", type=click.IntRange(1, MAX_SEQ), default=DEFAULT_SERVER_SLOTS, show_default=True,
               help="Generations under way at once, each with its own KV cache of --ctx tokens (llama.cpp's "
                    "--parallel): an editor's completions are served between the cycles of a chat answer.")
-@click.option("--sse-ping-interval", "keepalive", type=click.FloatRange(min=0.1), default=DEFAULT_SSE_PING_SECONDS,
+@click.option("--sse-ping-interval", "keepalive", type=click.FloatRange(min=0.01), default=DEFAULT_SSE_PING_SECONDS,
               show_default=True, help="Seconds a stream may stay silent (a long prefill) before a ': ping' comment.")
 @click.option("--shutdown-grace", type=click.FloatRange(min=0), default=SHUTDOWN_GRACE_SECONDS, show_default=True,
               help="Seconds requests in flight get after SIGTERM or Ctrl-C before they are cancelled.")

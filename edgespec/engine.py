@@ -301,17 +301,16 @@ class Engine:
             self._running.discard(cancel)
 
     def _acquire(self, prompt: list[int], cancel: threading.Event, wanted: int | None) -> _Slot | None:
-        """A free slot: `wanted` (modulo the slot count, as llama.cpp's id_slot), else the best for `prompt`."""
+        """A free slot: `wanted` (modulo the slot count) if it is free, else the one whose cache shares the
+        longest prefix with `prompt`, else the least recently used; None if cancelled while all were busy."""
         with self._free:
-            while True:
-                free = [s for i, s in enumerate(self.slots)
-                        if not s.busy and (wanted is None or wanted < 0 or i == wanted % len(self.slots))]
-                if free:
-                    break
+            while not (free := [s for s in self.slots if not s.busy]):
                 if cancel.is_set():
                     return None
                 self._free.wait(SLOT_POLL_SECONDS)
-            slot = max(free, key=lambda s: (s.cache.shared_prefix(prompt), -s.last_used))
+            preferred = self.slots[wanted % len(self.slots)] if wanted is not None and wanted >= 0 else None
+            slot = preferred if preferred in free else max(
+                free, key=lambda s: (s.cache.shared_prefix(prompt), -s.last_used))
             slot.busy = True
             return slot
 
@@ -381,7 +380,7 @@ class Engine:
                 steps.close()  # type: ignore[attr-defined]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Slot:
     """A KV sequence of the target and the proposer that speculates on it."""
 

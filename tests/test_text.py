@@ -1,6 +1,8 @@
 """Streaming text: whole UTF-8 characters only; stop strings across token boundaries."""
 
-from edgespec.text import TextStream
+import pytest
+
+from edgespec.text import IndentLimit, TextStream
 
 
 def test_multibyte_character_split_across_tokens_is_held():
@@ -29,3 +31,17 @@ def test_partial_stop_is_released_when_it_does_not_complete():
 def test_earliest_of_several_stops_wins():
     s = TextStream(stop=["cd", "b"])
     assert s.push(b"abcd") == "a"
+
+
+@pytest.mark.parametrize("pieces, n, out, stopped", [
+    (["return a + b\n", "\n", "def sub"], 4, "return a + b\n", True),  # a blank line ends it, as in llama.cpp
+    (["x = 1\n", "    y", " = 2\n", "  z"], 4, "x = 1\n    y = 2\n  ", True),  # cut at the first other char
+    (["if a:\n", "\t", "\t", "\t", "\treturn"], 4, "if a:\n\t\t\t\treturn", False),  # a tab counts one
+    (["no newline at all"], 8, "no newline at all", False),  # the first line is never checked
+    (["a\n", "  "], 4, "a\n  ", False),  # undecided at the end: flushed
+    (["a\n", "b"], 0, "a\nb", False),  # 0 turns it off
+])
+def test_indent_limit_is_llama_cpps_n_indent(pieces, n, out, stopped):
+    g = IndentLimit(n)
+    text = "".join(g.push(p) for p in pieces) + g.flush()
+    assert (text, g.stopped) == (out, stopped)

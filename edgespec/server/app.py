@@ -245,8 +245,14 @@ class _Service:
         return JSONResponse({"status": "ok", "model": self.settings.model_name, "generations": dict(self.finished)})
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "edgespec"}]})
+        """OpenAI's list, with llama.cpp's owner and `meta`: llama.vscode reads them to find the context size."""
+        model: dict[str, Any] = {"id": self.settings.model_name, "object": "model", "created": 0,
+                                 "owned_by": "llamacpp"}
+        if self.loaded is not None:
+            f = self.loaded.target.facts
+            model["meta"] = {"n_ctx": self.loaded.n_ctx, "n_ctx_train": f.n_ctx_train, "n_vocab": f.n_vocab,
+                             "n_embd": f.n_embd, "size": f.weights_bytes}
+        return JSONResponse({"object": "list", "data": [model]})
 
     async def props(self, request: Request) -> Response:
         """llama.cpp's /props: what llama.vscode and others read to learn the context and the template."""
@@ -368,10 +374,13 @@ class _Service:
             self.infills.add(cancel)
         try:
             if not req.stream:
-                chunks = await self.run(request, prompt, req, cancel)
-                final = _llama_final("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
-                                     chunks[-1], model, req)
-                return JSONResponse(schemas.pick_fields(final, req.response_fields))
+                results = []
+                for i in range(req.n):  # n_cmpl: one after another in the slot that holds the prompt
+                    chunks = await self.run(request, prompt, req, cancel)
+                    final = _llama_final("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
+                                         chunks[-1], model, req) | {"index": i}
+                    results.append(schemas.pick_fields(final, req.response_fields))
+                return JSONResponse(results if req.n > 1 else results[0])
         finally:
             if not req.stream:
                 self.infills.discard(cancel)

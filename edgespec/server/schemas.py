@@ -29,6 +29,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_EXTRA_CHUNKS = 64
 MAX_RESPONSE_FIELDS = 64
+MAX_COMPLETIONS = 8  # n_cmpl
 
 OPENAI_CHAT, OPENAI_COMPLETIONS, COMPLETION, INFILL = "/v1/chat/completions", "/v1/completions", "/completion", "/infill"
 ROUTES = (OPENAI_CHAT, OPENAI_COMPLETIONS, COMPLETION, INFILL)
@@ -100,7 +101,9 @@ FIELDS: dict[str, Field] = {
     "n": Field("refused unless 1: one answer per request", _OAI, _is(1)),
     # -- caching, slots, speculation -----------------------------------------------------------------------------
     "cache_prompt": Field("reuse the KV prefix the slot shares with this prompt (default true)"),
-    "id_slot": Field("run in this slot (modulo the slot count; -1 picks the slot sharing the longest prefix)"),
+    "id_slot": Field("prefer this slot (modulo the slot count) when it is free, else the free slot sharing the "
+                     "longest prefix, as with -1 (llama.cpp waits for the slot named; editors send 0 for every "
+                     "completion, which would queue them behind a chat)"),
     "speculative": Field('{"proposer": auto|none|ngram|draft, "k": cap, "enabled": bool} for this request; '
                          'echoed in the response\'s speculative stats'),
     "speculative.n_max": Field("llama.cpp's spelling of speculative.k"),
@@ -109,8 +112,10 @@ FIELDS: dict[str, Field] = {
     "stream_options": Field("include_usage: a last chunk with usage and no choices", _OAI),
     "response_fields": Field("the final JSON holds only these paths; a/b moves b of object a to the top level "
                              "under the key a/b", LLAMA_ROUTES),
+    "n_cmpl": Field("completions of one prompt (1 to 8), an array of results when more than 1; not with stream",
+                    LLAMA_ROUTES),
     "return_tokens": Field("the generated token ids in 'tokens'", LLAMA_ROUTES),
-    "timings_per_token": Field("timings in every streamed event", LLAMA_ROUTES),
+    "timings_per_token": Field("refused unless false: per-token timings are not kept", LLAMA_ROUTES, _is(False)),
     # -- accepted, no effect by design --------------------------------------------------------------------------
     "model": Field("accepted and not used: the server serves the one model it loaded (GET /v1/models)"),
     "user": Field("accepted and not used: an end-user id for the provider's abuse monitoring", _OAI),
@@ -170,6 +175,8 @@ FIELDS: dict[str, Field] = {
 
 def check_fields(body: dict[str, Any], route: str) -> None:
     """Refuse, by name, a field this route does not know or does not implement at the value sent."""
+    if route in _OAI and body.get("response_fields") in ([], [""]):  # llama.vim's chat warm-up: selects nothing
+        body = {k: v for k, v in body.items() if k != "response_fields"}
     for key, value in body.items():
         f = FIELDS.get(key)
         if f is None or route not in f.routes:
@@ -240,6 +247,7 @@ class Request:
     include_usage: bool = False
     timings_per_token: bool = False
     settings: dict[str, Any] = field(default_factory=dict)  # as llama.cpp's generation_settings
+    n: int = 1  # n_cmpl: completions of the prompt
 
 
 def generation(body: dict[str, Any], route: str, n_ctx: int, default_max_tokens: int | None,
@@ -268,9 +276,13 @@ def generation(body: dict[str, Any], route: str, n_ctx: int, default_max_tokens:
                 "seed": -1 if sampling.seed is None else sampling.seed, "n_indent": config.min_indent,
                 "t_max_predict_ms": -1 if time_limit is None else time_limit, "cache_prompt": config.reuse_prefix,
                 "samplers": list(_samplers(body))}
-    return Request(config, stops(body), flag(body, "stream", False), _response_fields(body),
-                   flag(body, "return_tokens", False), flag(options or {}, "include_usage", False),
-                   flag(body, "timings_per_token", False), settings)
+    n, stream = number(body, "n_cmpl", 1, 1, MAX_COMPLETIONS, integer=True), flag(body, "stream", False)
+    if n > 1 and stream:
+        raise InvalidRequestError(f"'n_cmpl' {n} with 'stream': true is not supported; stream one completion, "
+                                  f"or ask for {n} without streaming")
+    settings["n_ctx"] = n_ctx
+    return Request(config, stops(body), stream, _response_fields(body), flag(body, "return_tokens", False),
+                   flag(options or {}, "include_usage", False), flag(body, "timings_per_token", False), settings, n)
 
 
 def _sampling(body: dict[str, Any], default_temperature: float) -> SamplingConfig:

@@ -1,0 +1,177 @@
+"""Editors and apps as they really call: request bodies copied from each client's source (tests/clients/*.json)
+replayed against a real `edgespec serve` on 127.0.0.1, each answer checked for what that client reads."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from test_server import Server
+
+CLIENTS = Path(__file__).parent / "clients"
+
+
+def requests_of(client: str) -> dict[str, dict]:
+    return {r["name"]: r for r in json.loads((CLIENTS / f"{client}.json").read_text())["requests"]}
+
+
+@pytest.fixture(scope="module")
+def server(qwen_path):
+    # A ping interval shorter than a prefill, so that every client here also reads streams with keep-alives.
+    s = Server(qwen_path, "--ctx", "4096", "--slots", "2", "--sse-ping-interval", "0.05")
+    yield s
+    s.stop()
+
+
+def post(server, path: str, body: dict, **kw) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=300, **kw)
+
+
+def sse(server, path: str, body: dict) -> tuple[list[dict], list[str]]:
+    """The data events (parsed) and the raw lines of one streamed answer."""
+    raw = []
+    with httpx.stream("POST", server.url + path, json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        raw = list(r.iter_lines())
+    events = [json.loads(line[6:]) for line in raw if line.startswith("data: ") and line != "data: [DONE]"]
+    return events, raw
+
+
+def test_llama_vim_warm_up_then_completion_reads_its_flat_fields(server):
+    reqs = requests_of("llama_vim")
+    warm = post(server, "/infill", reqs["ring_update_warmup"]["body"])
+    assert warm.status_code == 200 and warm.json() == {}  # response_fields [""] selects nothing, as in llama.cpp
+    fim = reqs["fim"]["body"]
+    r = post(server, "/infill", fim)
+    assert r.status_code == 200, r.text
+    assert re.search(r'"content"\s*:"', r.text)  # llama.vim's own check of the raw body: compact JSON
+    out = r.json()
+    assert set(out) == set(fim["response_fields"]) - {"timings/prompt_per_token_ms"} | {"timings/prompt_per_token_ms"}
+    assert out["timings/prompt_n"] >= 1 and out["tokens_cached"] > 0  # the warm-up's extra context was reused
+    assert out["timings/predicted_n"] <= fim["n_predict"]
+    for line in out["content"].split("\n")[1:]:  # n_indent 4: no later line starts with less indentation
+        assert not line.strip() or len(line) - len(line.lstrip(" \t")) >= fim["n_indent"], out["content"]
+    assert post(server, "/v1/chat/completions", reqs["inst_warmup"]["body"]).status_code == 200
+    events, raw = sse(server, "/v1/chat/completions", {**reqs["inst_stream"]["body"], "max_tokens": 24})
+    assert all(line.startswith(("data: ", ":")) or not line for line in raw)
+    assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"])
+
+
+def test_the_issues_infill_stops_at_the_dedent_and_the_time_cap(server):
+    body = {"input_prefix": "def add(a, b):\n", "input_suffix": "\n", "prompt": "    ", "n_predict": 128,
+            "n_indent": 4, "t_max_predict_ms": 250, "temperature": 0}
+    out = post(server, "/infill", body).json()
+    assert "def " not in out["content"] and out["tokens_predicted"] < 128, out["content"]
+    # t_max_predict_ms alone: the first newline after 1 ms ends a 128-token answer of many lines
+    body = {"prompt": "# the numbers 1 to 100, one per line\n1\n2\n3\n", "n_predict": 128, "t_max_predict_ms": 1,
+            "temperature": 0}
+    out = post(server, "/completion", body).json()
+    assert out["stop_type"] == "limit" and out["content"].endswith("\n") and out["tokens_predicted"] < 128, out
+
+
+def test_llama_vscode_models_props_tokenize_template_and_three_completions(server):
+    reqs = requests_of("llama_vscode")
+    models = httpx.get(server.url + "/v1/models").json()["data"]
+    assert models[0]["owned_by"] == "llamacpp" and models[0]["meta"]["n_ctx"] == 4096  # so it asks /props
+    assert httpx.get(server.url + "/props").json()["default_generation_settings"]["n_ctx"] == 4096
+    tok = post(server, "/tokenize", reqs["tokenize"]["body"]).json()["tokens"]
+    assert tok and all(isinstance(t, int) for t in tok)
+    template = post(server, "/apply-template", reqs["apply_template"]["body"])
+    assert template.status_code == 200 and "<|im_start|>" in template.json()["prompt"]
+    assert post(server, "/infill", reqs["fim_prepare_extra_context"]["body"]).status_code == 200
+    fim = reqs["fim"]["body"]
+    out = post(server, "/infill", fim).json()
+    assert isinstance(out, list) and len(out) == fim["n_cmpl"] and all("content" in o for o in out)
+    assert out[0]["generation_settings"]["n_ctx"] == 4096 and out[1]["tokens_cached"] > 0
+
+
+def test_continue_autocomplete_and_chat_with_max_tokens_4096(server):
+    reqs = requests_of("continue")
+    events, raw = sse(server, "/completion", reqs["autocomplete_llamacpp"]["body"])
+    assert events[-1]["stop"] is True and events[-1]["stop_type"] in ("eos", "word", "limit")
+    assert all(e["stop"] is False and isinstance(e["content"], str) for e in events[:-1])
+    body = reqs["chat_openai_provider"]["body"]
+    assert body["max_tokens"] == 4096  # Continue's default, more than the context has room for
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    stream = c.chat.completions.create(model=body["model"], messages=body["messages"], max_tokens=4096, stream=True,
+                                       stream_options={"include_usage": True}, temperature=0)
+    chunks = list(stream)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+
+
+def test_openai_refuses_what_it_does_not_honour_by_name(server):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    for extra, name in [({"logprobs": True}, "logprobs"), ({"frequency_penalty": 0.7}, "frequency_penalty"),
+                        ({"response_format": {"type": "json_object"}}, "response_format")]:
+        with pytest.raises(openai.BadRequestError, match=f"'{name}'"):
+            c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, **extra)
+
+
+def test_an_infill_is_answered_while_a_chat_streams_and_the_chat_keeps_its_cache(server):
+    messages = [{"role": "user", "content": "Write a long explanation of Python decorators."}]
+    done: dict[str, float] = {}
+    first = threading.Event()
+    usage: dict = {}
+
+    def chat() -> None:
+        body = {"messages": messages, "max_tokens": 160, "temperature": 0, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    first.set()
+                    e = json.loads(line[6:])
+                    if e.get("usage"):
+                        usage.update(e["usage"])
+        done["chat"] = time.monotonic()
+
+    t = threading.Thread(target=chat)
+    t.start()
+    assert first.wait(120)
+    r = post(server, "/infill", {"input_prefix": "def square(x):\n    ", "input_suffix": "\n", "n_predict": 6,
+                                 "temperature": 0})
+    done["infill"] = time.monotonic()
+    t.join()
+    assert r.status_code == 200 and done["infill"] < done["chat"]  # served between the chat's cycles
+    follow = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "temperature": 0}).json()
+    # the chat's slot still holds its prompt: all of it is reused (short of the last token, evaluated again)
+    assert follow["speculative"]["cached_prompt_tokens"] == follow["usage"]["prompt_tokens"] - 1
+
+
+def metrics(server) -> dict[tuple[str, tuple], float]:
+    text = httpx.get(server.url + "/metrics").text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_metrics_move_by_what_one_request_did(server):
+    before = metrics(server)
+    out = post(server, "/completion", {"prompt": "def fib(n):", "n_predict": 20, "temperature": 0}).json()
+    after = metrics(server)
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("edgespec_requests_total", route="/completion", status="200") == 1
+    assert delta("edgespec_generations_total", finish_reason="length" if out["stop_type"] == "limit" else "stop") == 1
+    assert delta("edgespec_completion_tokens_total") == out["tokens_predicted"]
+    assert delta("edgespec_prompt_tokens_total") == out["tokens_evaluated"]
+    assert delta("edgespec_prompt_tokens_reused_total") == out["tokens_cached"]
+    assert delta("edgespec_draft_tokens_total") == out["timings"]["draft_n"]
+    assert delta("edgespec_draft_tokens_accepted_total") == out["timings"]["draft_n_accepted"]
+    cycles = sum(after[k] - before.get(k, 0.0) for k in after if k[0] == "edgespec_cycles_total")
+    assert cycles == out["speculative"]["cycles"]
+    assert after[("edgespec_slots_busy", ())] == 0 and after[("edgespec_requests_waiting", ())] == 0
+
+
+def test_a_long_prefill_streams_keep_alive_comments(server):
+    events, raw = sse(server, "/completion", {"prompt": "word " * 1500, "n_predict": 2, "stream": True})
+    assert ": ping" in raw and events[-1]["stop"] is True

@@ -1,0 +1,104 @@
+"""The request schema on literal bodies: llama.cpp's conventions, and every field honoured or refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from edgespec.errors import InvalidRequestError
+from edgespec.server import schemas
+from edgespec.server.schemas import COMPLETION, INFILL, OPENAI_CHAT, OPENAI_COMPLETIONS
+
+
+def gen(body, route=COMPLETION, default_max=128, temperature=0.8):
+    return schemas.generation(body, route, 4096, default_max, temperature)
+
+
+@pytest.mark.parametrize("body, max_tokens", [
+    ({}, 128), ({"n_predict": -1}, None), ({"n_predict": 0}, 0), ({"max_tokens": 4096}, 4096),
+    ({"n_predict": 7, "max_tokens": 9}, 7), ({"max_completion_tokens": 5, "max_tokens": 9}, 5),
+    ({"n_predict": None, "max_tokens": 9}, 9),
+])
+def test_length_fields_in_llama_cpp_order(body, max_tokens):
+    assert gen(body).config.max_tokens == max_tokens
+
+
+def test_llama_cpp_sampler_conventions():
+    s = gen({"top_k": -5, "top_p": 0, "temperature": -1, "seed": -1}).config.sampling
+    assert (s.top_k, s.top_p, s.temperature, s.greedy, s.seed) == (0, 0.0, 0.0, True, -1)
+
+
+def test_a_sampler_left_out_is_off_and_temperature_left_out_is_one():
+    s = gen({"samplers": ["top_k", "top_p", "infill"], "top_k": 40, "top_p": 0.99, "temperature": 0.1}).config.sampling
+    assert (s.top_k, s.top_p, s.min_p, s.temperature) == (40, 0.99, 0.0, 1.0)
+    s = gen({"samplers": "kt", "temperature": 0.2}).config.sampling  # llama.cpp's letters
+    assert (s.top_k, s.top_p, s.min_p, s.temperature) == (40, 1.0, 0.0, 0.2)
+
+
+@pytest.mark.parametrize("samplers, message", [
+    (["temperature", "top_k"], "in that order only"),
+    (["top_k", "beam"], "unknown names ['beam']"),
+    ("kq", "letters are"),
+    (7, "a list of names or a string"),
+])
+def test_samplers_edgespec_cannot_honour_are_refused(samplers, message):
+    with pytest.raises(InvalidRequestError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        gen({"samplers": samplers})
+
+
+@pytest.mark.parametrize("body, route, message", [
+    ({"frobnicate": 1}, COMPLETION, "'frobnicate' is not a field /completion takes"),
+    ({"response_fields": ["content"]}, OPENAI_CHAT, "'response_fields' is not a field /v1/chat/completions"),
+    ({"input_prefix": "x"}, COMPLETION, "'input_prefix' is not a field /completion"),
+    ({"logprobs": True}, OPENAI_CHAT, "'logprobs' true is refused unless false/0"),
+    ({"n_probs": 3}, INFILL, "'n_probs' 3 is refused unless 0"),
+    ({"repeat_penalty": 1.1}, COMPLETION, "'repeat_penalty' 1.1 is refused unless 1"),
+    ({"grammar": "root ::= \"a\""}, COMPLETION, "'grammar' .* is refused unless empty"),
+    ({"response_format": {"type": "json_object"}}, OPENAI_CHAT, "'response_format' .* is refused"),
+    ({"tools": [{"type": "function"}]}, OPENAI_CHAT, "'tools' .* is refused unless empty"),
+    ({"tool_choice": "required"}, OPENAI_CHAT, "'tool_choice' \"required\" is refused"),
+    ({"speculative": {"proposer": "magic"}}, COMPLETION, "'speculative.proposer' 'magic'"),
+    ({"speculative": {"depth": 3}}, COMPLETION, "'speculative' .* must be an object with any of proposer"),
+    ({"stream_options": {"include_usage": True, "x": 1}}, OPENAI_CHAT, "'stream_options'"),
+    ({"n_predict": -2}, COMPLETION, "'n_predict' must be between -1 and"),
+])
+def test_fields_not_honoured_are_refused_by_name(body, route, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        gen(body, route)
+
+
+@pytest.mark.parametrize("body, route", [
+    ({"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False, "n": 1, "tools": [], "user": "u",
+      "model": "anything", "stream_options": {"include_usage": True}, "parallel_tool_calls": True}, OPENAI_CHAT),
+    ({"repeat_penalty": 1.0, "repeat_last_n": 64, "n_probs": 0, "typical_p": 1, "mirostat": 0, "dry_multiplier": 0,
+      "t_max_prompt_ms": 500, "n_keep": 0, "id_slot": -1, "cache_prompt": True, "return_tokens": True,
+      "response_fields": ["content", "timings/prompt_n"], "speculative.n_min": 0, "json_schema": None}, COMPLETION),
+])
+def test_fields_at_values_that_change_nothing_are_accepted(body, route):
+    gen(body, route)
+
+
+def test_speculative_object_and_llama_cpp_n_max():
+    c = gen({"speculative": {"proposer": "ngram", "k": 8}, "speculative.n_max": 4}).config
+    assert (c.proposer, c.k) == ("ngram", 4)
+    assert gen({"speculative": {"enabled": False}}).config.proposer == "none"
+
+
+def test_time_limit_and_indent():
+    c = gen({"t_max_predict_ms": 250, "n_indent": 4}).config
+    assert (c.time_limit, c.min_indent) == (0.25, 4)
+    assert gen({"t_max_predict_ms": 0}).config.time_limit is None and gen({"t_max_predict_ms": -1}).config.time_limit is None
+
+
+def test_response_fields_flatten_under_their_full_path_and_skip_missing_ones():
+    result = {"content": "x", "timings": {"prompt_n": 3, "predicted_n": 4}, "stop": True}
+    assert schemas.pick_fields(result, ["timings/prompt_n", "content", "nope", "timings/nope/x"]) == {
+        "timings/prompt_n": 3, "content": "x"}
+    assert schemas.pick_fields(result, []) is result
+
+
+def test_every_field_has_a_readme_row():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [name for name in schemas.FIELDS if f"`{name}`" not in readme]
+    assert not missing, f"README's endpoint table lacks {missing}"

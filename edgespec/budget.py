@@ -105,8 +105,7 @@ def plan(
     The whole model set lives in one pool: VRAM (or unified memory) when there
     is a GPU, else RAM. With a GPU too small for both, the draft goes to the CPU.
     A verify batch of Kmax+1 tokens is one llama_decode of at most `n_ubatch` tokens,
-    with a logits row per token; Kmax shrinks before the target is refused. Each of
-    the `n_seq` KV sequences (server slots) holds the whole context.
+    with a logits row per token; Kmax shrinks before the target is refused. `n_seq`: KV sequences.
     """
     gpu = budget.gpu_bytes > 0
     pool = int((budget.gpu_bytes if gpu else budget.ram_bytes) * HEADROOM)
@@ -118,7 +117,7 @@ def plan(
     def fixed(m: ModelMemory) -> int:
         return m.weights_bytes + m.compute_bytes(n_ubatch) + m.logits_bytes(rows)
 
-    kv_t = target.kv_bytes_per_token(kv_type) * n_seq
+    kv_t = target.kv_bytes_per_token(kv_type) * n_seq  # every slot holds the whole context
     need_min = fixed(target) + kv_t * MIN_CTX
     if need_min > pool:
         raise OutOfMemoryError(

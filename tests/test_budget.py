@@ -79,3 +79,13 @@ def test_kmax_fits_one_batch_and_the_memory_left():
     p = plan(QWEN_15B, None, Budget("cpu", int((need + 8 * 151_936 * 4 + 1000) / 0.9)), n_ctx=256)
     assert p.k_max == 8 and dict(p.rows)["qwen-1.5b logits (9 rows)"] == 9 * 151_936 * 4
     assert "Kmax lowered from 63 to 8" in p.notes[0]
+
+
+def test_each_slot_holds_a_whole_context():
+    one, two = plan(QWEN_15B, QWEN_05B, CPU_24G, n_ctx=4096), plan(QWEN_15B, QWEN_05B, CPU_24G, n_ctx=4096, n_seq=2)
+    kv = lambda p: [b for item, b in p.rows if "KV cache" in item]  # noqa: E731
+    assert kv(two) == [2 * b for b in kv(one)] and "x 2 slots" in two.rows[1][0]
+    fixed = plan(QWEN_15B, None, CPU_24G, n_ctx=256).total_bytes - 28_672 * 256
+    tight = Budget("cpu", int((fixed + 28_672 * 4096) / 0.9))  # room for one 4096-token context
+    p = plan(QWEN_15B, None, tight, n_ctx=4096, n_seq=2)
+    assert 2040 <= p.n_ctx <= 2048 and "(2 slots of it)" in p.notes[0]

@@ -62,7 +62,7 @@ def test_samples_follow_the_distribution():
     assert chi2 < 16.27  # chi-square, 3 degrees of freedom, p = 0.001
 
 
-@pytest.mark.parametrize("kwargs", [{"temperature": -1.0}, {"top_k": -1}, {"top_p": 0.0}, {"min_p": 1.5}])
+@pytest.mark.parametrize("kwargs", [{"temperature": -1.0}, {"top_k": -1}, {"top_p": 1.5}, {"min_p": 1.5}])
 def test_invalid_settings_name_the_value(kwargs):
     with pytest.raises(InvalidRequestError, match=str(next(iter(kwargs.values())))):
         SamplingConfig(**kwargs)
@@ -73,3 +73,9 @@ def test_seeds_as_the_apis_send_them():
     draw = lambda seed: SamplingConfig(seed=seed).rng().integers(0, 2**32, 4).tolist()  # noqa: E731
     assert draw(-5) == draw(-5) == draw(2**64 - 5) and draw(7) == draw(7) != draw(-5)
     assert draw(-1) != draw(-1) and draw(None) != draw(None)
+
+
+def test_top_p_zero_keeps_the_top_token_as_in_llama_cpp():
+    logits = np.array([0.1, 2.0, 1.9, -1.0], dtype=np.float32)
+    ids, p = sampling.distribution(logits, SamplingConfig(temperature=0.7, top_p=0.0, top_k=0, min_p=0.0))
+    assert ids.tolist() == [1] and p.tolist() == [1.0]

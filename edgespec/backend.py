@@ -217,21 +217,19 @@ class Model:
         """The bytes of one token; control tokens render as nothing."""
         piece = self._pieces.get(token)
         if piece is None:
-            buf = ctypes.create_string_buffer(64)
-            n = llama_cpp.llama_token_to_piece(self._vocab_p, token, buf, 64, 0, False)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = llama_cpp.llama_token_to_piece(self._vocab_p, token, buf, -n, 0, False)
-            piece = self._pieces[token] = buf.raw[:n]
+            piece = self._pieces[token] = self._render(token, special=False)
         return piece
 
     def token_piece(self, token: int) -> bytes:
         """The bytes of one token with control tokens written out (llama.cpp's /tokenize and /detokenize)."""
+        return self._render(token, special=True)
+
+    def _render(self, token: int, special: bool) -> bytes:
         buf = ctypes.create_string_buffer(64)
-        n = llama_cpp.llama_token_to_piece(self._vocab_p, token, buf, 64, 0, True)
-        if n < 0:
+        n = llama_cpp.llama_token_to_piece(self._vocab_p, token, buf, 64, 0, special)
+        if n < 0:  # buffer too small: -n is the size needed
             buf = ctypes.create_string_buffer(-n)
-            n = llama_cpp.llama_token_to_piece(self._vocab_p, token, buf, -n, 0, True)
+            n = llama_cpp.llama_token_to_piece(self._vocab_p, token, buf, -n, 0, special)
         return buf.raw[:n]
 
     def detokenize(self, tokens: Sequence[int]) -> str:

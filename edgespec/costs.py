@@ -188,11 +188,11 @@ def _cache_key(target, draft, batches) -> str:
             st = m.path.stat()
             parts += [str(m.path.resolve()), str(st.st_size), str(int(st.st_mtime)), str(m.cfg.n_gpu_layers),
                       m.cfg.flash_attn]
-    parts.append(_cpu_model())
+    parts.append(cpu_model())
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     """The CPU's name and flags: machines named alike ("AMD EPYC") may differ in AVX-512, and so in costs."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()

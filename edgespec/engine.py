@@ -185,6 +185,11 @@ class Engine:
         return self.slots[0].proposer
 
     @property
+    def draft_loaded(self) -> bool:
+        p = self.proposer
+        return isinstance(p, DraftProposer) or isinstance(p, AutoProposer) and p.draft is not None
+
+    @property
     def costs(self) -> Costs | None:
         """The costs calibrated at load (auto only); the tracker holds their corrected form."""
         return self.cost_tracker.calibrated if self.cost_tracker is not None else None
@@ -279,10 +284,7 @@ class Engine:
         """
         config = config or GenerationConfig()
         prompt_tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-        self.check_fits(prompt_tokens)
-        room = self.n_ctx - len(prompt_tokens)
-        if config.max_tokens is None or config.max_tokens > room:
-            config = replace(config, max_tokens=room)
+        self.check_fits(prompt_tokens)  # a length past the room left is cut to it by loop.steps
         self._proposer_for(self.slots[0], config)  # an impossible choice fails here, before any waiting
         cancel = cancel or threading.Event()
         self._running.add(cancel)
@@ -317,10 +319,10 @@ class Engine:
     def _proposer_for(self, slot: _Slot, config: GenerationConfig) -> Proposer | None:
         """The proposer a generation asked for: the slot's own, or a part of its auto proposer."""
         own, name = slot.proposer, config.proposer
-        if name is None or config.k == 0 or (own is not None and name == own.name):
-            return None if config.k == 0 else own
-        if name == "none":
+        if config.k == 0 or name == "none":
             return None
+        if name is None or (own is not None and name == own.name):
+            return own
         part = getattr(own, name, None) if isinstance(own, AutoProposer) else None
         if part is None:
             loaded = own.name if own is not None else "none"
@@ -364,7 +366,7 @@ class Engine:
         finally:
             steps.close()
         full = finish == "length" and len(prompt_tokens) + stats.completion_tokens >= self.n_ctx
-        yield Chunk("", [], [], finish, stats, text.matched, full, self.slots.index(slot))
+        yield Chunk("", [], [], finish, stats, text.matched, full, slot.cache.seq_id)
 
     def _turns(self, steps: Iterator[loop.Step]) -> Generator[loop.Step, None, None]:
         """Each step of a generation under the turn lock, released while the consumer has it."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -27,6 +28,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from test_server import Server  # noqa: E402
+
+from edgespec.costs import cpu_model  # noqa: E402
 
 QUESTION = "Explain, with examples, how Python's asyncio event loop schedules coroutines and callbacks."
 PREFIX = "import math\n\n\ndef area_of_circle(radius):\n    "
@@ -123,12 +126,7 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    machine = {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()}
-    try:
-        machine["cpu"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                              if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version()}
     modes = [run_mode(a.model, slots, a.chat_tokens, a.infills, a.interval) for slots in (1, 2)]
     for m in modes:
         print(f"slots {m['slots']}: infill TTFT median {m['ttft_median_s']:.3f}s max {m['ttft_max_s']:.3f}s "

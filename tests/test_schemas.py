@@ -6,7 +6,7 @@ import pytest
 
 from edgespec.errors import InvalidRequestError
 from edgespec.server import schemas
-from edgespec.server.schemas import COMPLETION, INFILL, OPENAI_CHAT, OPENAI_COMPLETIONS
+from edgespec.server.schemas import COMPLETION, INFILL, OPENAI_CHAT
 
 
 def gen(body, route=COMPLETION, default_max=128, temperature=0.8):

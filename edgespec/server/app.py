@@ -100,8 +100,7 @@ class _Service:
         self.active: set[threading.Event] = set()  # cancel events of every request in flight
         self.finished: dict[str, int] = {}  # generations by finish reason, for /health
         self.draining = False  # a signal came: new requests get 503, those in flight get a grace period
-        self.metrics = metrics.Metrics({r for r in ROUTES_HELP.replace(",", " ").replace(";", " ").split()
-                                        if r.startswith("/")})
+        self.metrics = metrics.Metrics()
 
     # -- lifetime ------------------------------------------------------------------
 
@@ -268,15 +267,12 @@ class _Service:
             "eos_token": m.token_text(m.vocab.eos) if m.vocab.eos is not None else "",
             "build_info": f"edgespec {__version__}, llama-cpp-python {library_version()}",
             "speculative": {"proposer": eng.config.proposer, "k_max": eng.plan.k_max,
-                            "draft": eng.config.draft, "draft_loaded": any(
-                                getattr(s.proposer, "draft", None) is not None or getattr(s.proposer, "name", "")
-                                == "draft" for s in eng.slots)},
+                            "draft": eng.config.draft, "draft_loaded": eng.draft_loaded},
             "endpoint_metrics": True, "endpoint_slots": False, "endpoint_props": True,
         })
 
     async def tokenize(self, request: Request) -> Response:
         body = await self.body_of(request)
-        _only(body, {"content", "add_special", "parse_special", "with_pieces"}, "/tokenize")
         content, add_special, parse_special, with_pieces = schemas.tokenize_request(body)
         m = self.engine().target
         tokens = m.tokenize(content, add_special=add_special, parse_special=parse_special)
@@ -286,14 +282,14 @@ class _Service:
 
     async def detokenize(self, request: Request) -> Response:
         body = await self.body_of(request)
-        _only(body, {"tokens"}, "/detokenize")
+        schemas.only_fields(body, {"tokens"}, "/detokenize")
         m = self.engine().target
         pieces = b"".join(m.token_piece(t) for t in schemas.token_list(body, "tokens", m.n_vocab))
         return JSONResponse({"content": pieces.decode("utf-8", "replace")})
 
     async def apply_template(self, request: Request) -> Response:
         body = await self.body_of(request)
-        _only(body, {"messages", "model"}, "/apply-template")
+        schemas.only_fields(body, {"messages", "model"}, "/apply-template")
         return JSONResponse({"prompt": self.engine().chat_text(schemas.messages(body))})
 
     async def metrics_text(self, request: Request) -> Response:
@@ -418,7 +414,8 @@ def create_app(settings: Settings, load_engine: Callable[[], Engine]) -> Starlet
         Route("/apply-template", _guard(svc.apply_template), methods=["POST"]),
     ]
     # Outermost first: every answer is counted, the 401, 403 and 413 of _Safety too.
-    middleware = [Middleware(_Counted, metrics=svc.metrics), Middleware(_Safety, settings=settings)]
+    middleware = [Middleware(_Counted, metrics=svc.metrics, routes={r.path for r in routes}),
+                  Middleware(_Safety, settings=settings)]
     if settings.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                                      allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
@@ -578,13 +575,6 @@ def _sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _only(body: dict[str, Any], known: set[str], route: str) -> None:
-    for key in body:
-        if key not in known:
-            raise errors.InvalidRequestError(f"{key!r} is not a field {route} takes; its fields are "
-                                             f"{', '.join(sorted(known))}")
-
-
 def _piece(data: bytes) -> str | list[int]:
     """A token's piece as llama.cpp's /tokenize gives it: text when it is valid UTF-8, else its bytes."""
     try:
@@ -649,10 +639,11 @@ def _llama_final(text: str, tokens: list[int], last: Chunk, model: str, req: sch
 
 
 class _Counted:
-    """Counts every answer by route and status, for /metrics."""
+    """Counts every answer by route and status, for /metrics; other paths count as "other", so that a scanner
+    cannot grow the label set."""
 
-    def __init__(self, app: Any, metrics: metrics.Metrics) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: Any, metrics: metrics.Metrics, routes: set[str]) -> None:
+        self.app, self.metrics, self.routes = app, metrics, routes
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] != "http":
@@ -660,7 +651,8 @@ class _Counted:
 
         async def counted(message: dict) -> None:
             if message["type"] == "http.response.start":
-                self.metrics.request(scope["path"], message["status"])
+                path = scope["path"]
+                self.metrics.request(path if path in self.routes else "other", message["status"])
             await send(message)
 
         await self.app(scope, receive, counted)

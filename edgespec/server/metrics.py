@@ -24,8 +24,7 @@ disable_created_metrics()  # the *_created samples say when a counter was made: 
 
 
 class Metrics:
-    def __init__(self, routes: set[str]) -> None:
-        self.routes = routes  # other paths are counted as "other", so a scanner cannot grow the label set
+    def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("edgespec_requests", "HTTP requests answered, by route and status code",
                                 ["route", "status"], registry=r)
@@ -44,8 +43,8 @@ class Metrics:
         self.waiting = Gauge("edgespec_requests_waiting", "Generations waiting for a free slot", registry=r)
         self.busy = Gauge("edgespec_slots_busy", "Slots generating now", registry=r)
 
-    def request(self, path: str, status: int) -> None:
-        self.requests.labels(path if path in self.routes else "other", str(status)).inc()
+    def request(self, route: str, status: int) -> None:
+        self.requests.labels(route, str(status)).inc()
 
     def generation(self, stats: Stats, finish_reason: str | None) -> None:
         """Count one ended generation (completed, stopped, cancelled) by what its stats say."""

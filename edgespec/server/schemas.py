@@ -245,7 +245,6 @@ class Request:
     response_fields: tuple[str, ...] = ()
     return_tokens: bool = False
     include_usage: bool = False
-    timings_per_token: bool = False
     settings: dict[str, Any] = field(default_factory=dict)  # as llama.cpp's generation_settings
     n: int = 1  # n_cmpl: completions of the prompt
 
@@ -282,7 +281,7 @@ def generation(body: dict[str, Any], route: str, n_ctx: int, default_max_tokens:
                                   f"or ask for {n} without streaming")
     settings["n_ctx"] = n_ctx
     return Request(config, stops(body), stream, _response_fields(body), flag(body, "return_tokens", False),
-                   flag(options or {}, "include_usage", False), flag(body, "timings_per_token", False), settings, n)
+                   flag(options or {}, "include_usage", False), settings, n)
 
 
 def _sampling(body: dict[str, Any], default_temperature: float) -> SamplingConfig:
@@ -409,8 +408,16 @@ def extra_chunks(body: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+def only_fields(body: dict[str, Any], known: set[str], route: str) -> None:
+    """The check_fields of a route that is not a generation's: its few fields, nothing else."""
+    for key in body:
+        if key not in known:
+            raise InvalidRequestError(f"{key!r} is not a field {route} takes; its fields are {', '.join(sorted(known))}")
+
+
 def tokenize_request(body: dict[str, Any]) -> tuple[str, bool, bool, bool]:
     """/tokenize: (content, add_special, parse_special, with_pieces) with llama.cpp's defaults."""
+    only_fields(body, {"content", "add_special", "parse_special", "with_pieces"}, "/tokenize")
     return (text_field(body, "content", "") or "", flag(body, "add_special", False),
             flag(body, "parse_special", True), flag(body, "with_pieces", False))
 

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import llama_cpp
+import llama_cpp.llama_grammar
 import numpy as np
 
 from edgespec.config import DEFAULT_N_CTX, LoadConfig
-from edgespec.errors import ContextOverflowError, EdgespecError, InvalidModelError, ModelNotFoundError, UnsupportedModelError
+from edgespec.errors import (ContextOverflowError, EdgespecError, InvalidModelError, InvalidRequestError,
+                             ModelNotFoundError, UnsupportedModelError)
 from edgespec.text import to_utf8
 
 log = logging.getLogger(__name__)
@@ -421,6 +424,75 @@ class KVSequence:
             llama_cpp.llama_memory_seq_rm(self.model._mem, self.seq_id, len(self.tokens), -1)
         else:  # llama.cpp kept only part of a failed batch
             del self.tokens[held:]
+
+
+# llama_token_data as numpy lays it out, so a candidate array is built without a Python loop.
+_TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])
+assert _TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
+
+
+class Grammar:
+    """llama.cpp's grammar sampler over a model's vocabulary: which tokens may come next, advanced token by token.
+
+    llama.cpp aborts the process when a grammar accepts a token it forbids, so `accept` is only
+    ever called with a token `allowed` admitted.
+    """
+
+    def __init__(self, model: Model, gbnf: str, root: str = "root", *, what: str = "grammar") -> None:
+        self.model, self.gbnf = model, gbnf
+        _recent_errors.clear()
+        self._s = llama_cpp.llama_sampler_init_grammar(model._vocab_p, gbnf.encode("utf-8"), root.encode("utf-8"))
+        if not self._s:
+            raise InvalidRequestError(f"{what} does not parse as GBNF ({_first_error()}); fix it by llama.cpp's "
+                                      f"grammar rules (grammars/README.md), with a rule named {root!r}")
+
+    @classmethod
+    def from_json_schema(cls, model: Model, schema: dict, what: str = "json_schema") -> Grammar:
+        return cls(model, json_schema_gbnf(schema, what), what=what)
+
+    def allowed(self, ids: np.ndarray) -> np.ndarray:
+        """Which of `ids` the grammar admits next (a bool per id)."""
+        data = np.zeros(len(ids), _TOKEN_DATA)
+        data["id"] = ids
+        cur = llama_cpp.llama_token_data_array(data.ctypes.data_as(ctypes.POINTER(llama_cpp.llama_token_data)),
+                                               len(ids), -1, False)
+        llama_cpp.llama_sampler_apply(self._s, ctypes.byref(cur))
+        return data["logit"] != -np.inf
+
+    def accept(self, token: int) -> None:
+        llama_cpp.llama_sampler_accept(self._s, token)
+
+    def clone(self) -> Grammar:
+        other = object.__new__(Grammar)
+        other.model, other.gbnf, other._s = self.model, self.gbnf, llama_cpp.llama_sampler_clone(self._s)
+        return other
+
+    def close(self) -> None:
+        if getattr(self, "_s", None):
+            llama_cpp.llama_sampler_free(self._s)
+            self._s = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def json_schema_gbnf(schema: dict, what: str = "json_schema") -> str:
+    """llama.cpp's own JSON-schema-to-GBNF conversion (the one llama-server uses), of a schema that is valid."""
+    import jsonschema  # only here: validating a schema is all edgespec asks of it
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(map(str, e.absolute_path)) or "the top level"
+        raise InvalidRequestError(f"{what} is not a valid JSON Schema: {e.message} (at {where}); fix the schema, "
+                                  f"e.g. \"type\" must name a JSON type") from None
+    try:
+        return llama_cpp.llama_grammar.json_schema_to_gbnf(json.dumps(schema))
+    except (AssertionError, ValueError, KeyError, TypeError, AttributeError, NotImplementedError, RecursionError) as e:
+        raise InvalidRequestError(
+            f"{what} cannot be turned into a grammar: {type(e).__name__}: {e}; llama.cpp's converter handles "
+            f"type, properties, required, items, enum, const, anyOf/oneOf/allOf, local $ref and patterns "
+            f"written ^...$; simplify the schema or pass a GBNF grammar instead") from e
 
 
 def _check_gguf_file(path: Path) -> None:

@@ -21,6 +21,7 @@ from edgespec.config import (
     DEFAULT_MIN_P,
     DEFAULT_N_CTX,
     DEFAULT_PORT,
+    DEFAULT_REPEAT_LAST_N,
     DEFAULT_SERVER_SLOTS,
     DEFAULT_SSE_PING_SECONDS,
     DEFAULT_TEMPERATURE,
@@ -115,15 +116,45 @@ _sampling_options = _options(
     click.option("--min-p", type=float, default=DEFAULT_MIN_P, show_default=True),
     click.option("--seed", type=int, default=None, help="Seed for sampling; the same seed gives the same output."),
     click.option("--stop", multiple=True, help="Stop at this string (repeatable); it is not printed."),
+    click.option("--repeat-penalty", type=float, default=1.0, show_default=True,
+                 help="Divide a repeated token's logit by this (llama.cpp's); 1 is off."),
+    click.option("--repeat-last-n", type=int, default=DEFAULT_REPEAT_LAST_N, show_default=True,
+                 help="Tokens the penalties look back over; -1: all, 0: off."),
+    click.option("--frequency-penalty", type=float, default=0.0, show_default=True),
+    click.option("--presence-penalty", type=float, default=0.0, show_default=True),
 )
 
 
-def _generation_config(o: dict[str, Any], max_tokens: int | None = DEFAULT_MAX_TOKENS) -> GenerationConfig:
+def _generation_config(o: dict[str, Any], max_tokens: int | None = DEFAULT_MAX_TOKENS,
+                       **constraints: Any) -> GenerationConfig:
     """The sampling options; `max_tokens` is the command's default when -n is not given."""
     return GenerationConfig(
         max_tokens=max_tokens if o["max_tokens"] is None else None if o["max_tokens"] == -1 else o["max_tokens"],
         sampling=SamplingConfig(temperature=o["temperature"], top_k=o["top_k"], top_p=o["top_p"], min_p=o["min_p"],
-                                seed=o["seed"]))
+                                seed=o["seed"], repeat_penalty=o["repeat_penalty"], repeat_last_n=o["repeat_last_n"],
+                                frequency_penalty=o["frequency_penalty"], presence_penalty=o["presence_penalty"]),
+        **constraints)
+
+
+def _constraints(json_schema: Path | None, grammar: Path | None) -> dict[str, Any]:
+    """--json-schema / --grammar as GenerationConfig fields, checked before the model loads."""
+    if json_schema is not None and grammar is not None:
+        raise click.UsageError("give one of --json-schema FILE or --grammar FILE, not both")
+    if grammar is not None:
+        return {"grammar": grammar.read_text(encoding="utf-8")}
+    if json_schema is None:
+        return {}
+    try:
+        schema = json.loads(json_schema.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise click.UsageError(f"--json-schema {json_schema} is not JSON ({e}); pass a JSON Schema file")
+    if not isinstance(schema, dict):
+        raise click.UsageError(f"--json-schema {json_schema} holds a {type(schema).__name__}, not a JSON Schema "
+                               f"object; pass a schema such as {{\"type\": \"object\"}}")
+    from edgespec.backend import json_schema_gbnf
+
+    json_schema_gbnf(schema, f"--json-schema {json_schema}")  # refuses a bad schema now, not after the load
+    return {"json_schema": schema}
 
 
 class _FetchBar:
@@ -216,14 +247,19 @@ def _print_stream(chunks: Any) -> Any:
               help="Read the prompt from a file.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object: text, tokens, finish_reason, stats.")
+@click.option("--json-schema", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Constrain the output to this JSON Schema (a file); speculation runs under it.")
+@click.option("--grammar", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Constrain the output to this GBNF grammar (a file, llama.cpp's format).")
 @_errors
-def generate(prompt: str | None, prompt_file: Path | None, chat: bool, as_json: bool, **o: Any) -> None:
+def generate(prompt: str | None, prompt_file: Path | None, chat: bool, as_json: bool, json_schema: Path | None,
+             grammar: Path | None, **o: Any) -> None:
     """Generate a completion for one prompt."""
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-file FILE")
     # Invalid UTF-8 in a file reads as U+FFFD, as it does in --prompt (see text.to_utf8).
     text = prompt if prompt is not None else prompt_file.read_text(encoding="utf-8", errors="replace")  # type: ignore[union-attr]
-    config = _generation_config(o)
+    config = _generation_config(o, **_constraints(json_schema, grammar))
     with _open_engine(o) as engine:
         tokens = engine.chat_tokens([{"role": "user", "content": text}]) if chat else engine.tokenize(text)
         if as_json:

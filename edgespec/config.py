@@ -24,6 +24,8 @@ DEFAULT_TEMPERATURE = 0.0
 DEFAULT_TOP_K = 40
 DEFAULT_TOP_P = 0.95
 DEFAULT_MIN_P = 0.05
+DEFAULT_REPEAT_LAST_N = 64  # llama.cpp's window for the repetition penalties (which default to off)
+MAX_LOGPROBS = 20  # most alternatives reported per token (OpenAI's top_logprobs limit)
 # The server. After SIGTERM it gives requests in flight this long, then cancels them (streams still end properly).
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8012  # llama.vim's and llama.vscode's default endpoint
@@ -90,6 +92,14 @@ class SamplingConfig:
     top_p: float = DEFAULT_TOP_P  # 1 disables
     min_p: float = DEFAULT_MIN_P  # 0 disables
     seed: int | None = None  # None or -1 (llama.cpp's "random"): a fresh seed; any other int64 reproduces
+    # llama.cpp's penalties over the last repeat_last_n tokens (prompt included; -1: all, 0: off):
+    # a repeated token's logit divided by repeat_penalty (multiplied when negative), less
+    # frequency_penalty per occurrence and presence_penalty once. They apply to greedy decoding too.
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = DEFAULT_REPEAT_LAST_N
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); -inf forbids the token
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:
@@ -100,6 +110,18 @@ class SamplingConfig:
             raise InvalidRequestError(f"top_p {self.top_p} must be in [0, 1] (1 disables it, 0 keeps the top token)")
         if not 0.0 <= self.min_p <= 1.0:
             raise InvalidRequestError(f"min_p {self.min_p} must be in [0, 1] (0 disables it)")
+        if not 0.0 < self.repeat_penalty <= 100.0:
+            raise InvalidRequestError(f"repeat_penalty {self.repeat_penalty} must be in (0, 100] (1 disables it)")
+        if self.repeat_last_n < -1:
+            raise InvalidRequestError(f"repeat_last_n {self.repeat_last_n} must be >= -1 (-1: the whole context, "
+                                      f"0: off)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -100.0 <= getattr(self, name) <= 100.0:
+                raise InvalidRequestError(f"{name} {getattr(self, name)} must be in [-100, 100] (0 disables it)")
+        for token, bias in self.logit_bias:
+            if token < 0 or bias != bias or bias == np.inf:
+                raise InvalidRequestError(f"logit_bias entry {token}: {bias} needs a token id >= 0 and a finite "
+                                          f"bias (or -inf, false in JSON, to forbid the token)")
 
     @property
     def greedy(self) -> bool:
@@ -125,6 +147,11 @@ class GenerationConfig:
     proposer: str | None = None  # this generation's proposer ("none" turns speculation off); None: the engine's
     k: int | None = None  # most tokens per cycle for this generation, at most the engine's; None: the engine's
     slot: int | None = None  # the KV slot to run in (llama.cpp's id_slot); None: the best free one
+    # Constraints, checked on every row the target verifies (rules.py): a GBNF grammar, or a JSON schema
+    # ({"type": "object"} for any JSON object), turned into one by llama.cpp's converter.
+    grammar: str | None = None
+    json_schema: dict | None = None
+    logprobs: int | None = None  # None: none; n >= 0: each token's log-probability and its row's n best
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 0:
@@ -138,6 +165,12 @@ class GenerationConfig:
             raise InvalidRequestError(f"unknown proposer {self.proposer!r}; use one of {', '.join(PROPOSERS)}")
         if self.k is not None and not 0 <= self.k <= MAX_K:
             raise InvalidRequestError(f"k {self.k} must be in 0..{MAX_K} (0 turns speculation off)")
+        if self.grammar is not None and self.json_schema is not None:
+            raise InvalidRequestError("both a grammar and a json_schema were given; pass one of them")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise InvalidRequestError(f"json_schema must be a JSON object (a schema), not {self.json_schema!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs {self.logprobs} must be in 0..{MAX_LOGPROBS} (alternatives per token)")
 
 
 @dataclass(frozen=True)

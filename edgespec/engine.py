@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Generator, Iterator, Sequence
 
 from edgespec import budget, chat, fim, loop
-from edgespec.backend import KVSequence, Model, ModelFacts, read_facts, supports_gpu_offload
+from edgespec.backend import Grammar, KVSequence, Model, ModelFacts, read_facts, supports_gpu_offload
 from edgespec.budget import ModelMemory, Plan
 from edgespec.config import DEFAULT_MODEL, EngineConfig, GenerationConfig, LoadConfig
 from edgespec.costs import CostTracker, calibrate
@@ -29,6 +29,8 @@ from edgespec.proposers import Proposer
 from edgespec.proposers.auto import AutoProposer
 from edgespec.proposers.draft import DraftProposer
 from edgespec.proposers.ngram import NgramProposer
+from edgespec.rules import Rules
+from edgespec.sampling import TokenLogprob
 from edgespec.text import IndentLimit, TextStream
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,7 @@ class Chunk:
     stop_word: str = ""  # last chunk: the stop string that ended it
     truncated: bool = False  # last chunk: it ended because the context was full
     slot: int = -1  # last chunk: the slot it ran in
+    logprobs: list[TokenLogprob] | None = None  # per token, when the generation asked for them
 
 
 @dataclass
@@ -286,6 +289,23 @@ class Engine:
         prompt_tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_fits(prompt_tokens)  # a length past the room left is cut to it by loop.steps
         self._proposer_for(self.slots[0], config)  # an impossible choice fails here, before any waiting
+        rules = Rules.of(config.sampling, self.grammar(config))  # so does a grammar that does not parse
+        try:
+            yield from self._generation(prompt_tokens, config, stop, cancel, rules)
+        finally:
+            if rules is not None:
+                rules.close()
+
+    def grammar(self, config: GenerationConfig) -> Grammar | None:
+        """The generation's grammar, compiled against the target's vocabulary (None without one)."""
+        if config.json_schema is not None:
+            return Grammar.from_json_schema(self.target, config.json_schema)
+        if config.grammar is not None:
+            return Grammar(self.target, config.grammar)
+        return None
+
+    def _generation(self, prompt_tokens: list[int], config: GenerationConfig, stop: Sequence[str],
+                    cancel: threading.Event | None, rules: Rules | None) -> Iterator[Chunk]:
         cancel = cancel or threading.Event()
         self._running.add(cancel)
         try:
@@ -294,7 +314,7 @@ class Engine:
                 yield Chunk("", [], [], "cancelled", Stats(prompt_tokens=len(prompt_tokens)))
                 return
             try:
-                yield from self._stream(slot, prompt_tokens, config, stop, cancel)
+                yield from self._stream(slot, prompt_tokens, config, stop, cancel, rules)
             finally:
                 with self._free:
                     slot.busy, slot.last_used = False, time.monotonic()
@@ -333,7 +353,7 @@ class Engine:
         return part
 
     def _stream(self, slot: _Slot, prompt_tokens: list[int], config: GenerationConfig, stop: Sequence[str],
-                cancel: threading.Event) -> Iterator[Chunk]:
+                cancel: threading.Event, rules: Rules | None) -> Iterator[Chunk]:
         stats = Stats(prompt_tokens=len(prompt_tokens))
         if cancel.is_set():  # cancelled while it waited for the engine
             yield Chunk("", [], [], "cancelled", stats)
@@ -342,10 +362,10 @@ class Engine:
         finish: FinishReason = "length"
         k = config.k if self.config.k is None or config.k is None else min(config.k, self.config.k)
         steps = self._turns(loop.steps(slot.cache, self._proposer_for(slot, config), prompt_tokens, config, stats,
-                                       cancel, self.plan.k_max, k, reuse=config.reuse_prefix))
+                                       cancel, self.plan.k_max, k, reuse=config.reuse_prefix, rules=rules))
         t_first = None
         try:
-            for tokens, from_draft, done in steps:
+            for tokens, from_draft, done, probs in steps:
                 now = time.perf_counter()
                 t_first = t_first or now
                 delta = []
@@ -355,14 +375,15 @@ class Engine:
                     late = config.time_limit is not None and b"\n" in piece and now - t_first > config.time_limit
                     if text.stopped or indent.stopped or late:  # nothing after the end is emitted
                         tokens, from_draft = tokens[: i + 1], from_draft[: i + 1]
+                        probs = None if probs is None else probs[: i + 1]
                         done = "stop" if text.stopped else "length"
                         break
                 if done is not None:
                     finish = done
                     delta.append(indent.push(text.flush()) + indent.flush())
-                    yield Chunk("".join(delta), tokens, from_draft)
+                    yield Chunk("".join(delta), tokens, from_draft, logprobs=probs)
                     break
-                yield Chunk("".join(delta), tokens, from_draft)
+                yield Chunk("".join(delta), tokens, from_draft, logprobs=probs)
         finally:
             steps.close()
         full = finish == "length" and len(prompt_tokens) + stats.completion_tokens >= self.n_ctx

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Literal, Protocol, Sequence
+from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol, Sequence
 
 import numpy as np
 
@@ -17,10 +17,18 @@ from edgespec import sampling, verify
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.policy import k_cap
 from edgespec.proposers import Proposal, Proposer
+from edgespec.rules import Rules
+from edgespec.sampling import TokenLogprob
 
 FinishReason = Literal["stop", "length", "cancelled"]
 Clock = Callable[[], float]
-Step = tuple[list[int], list[bool], "FinishReason | None"]  # tokens committed, which were drafted, finish
+
+
+class Step(NamedTuple):
+    tokens: list[int]  # committed this cycle
+    from_draft: list[bool]  # per token: proposed and accepted
+    finish: FinishReason | None = None  # set on the last step
+    logprobs: list[TokenLogprob] | None = None  # per token, when the generation asked for them
 
 
 class Target(Protocol):
@@ -110,33 +118,42 @@ def prefill(target: Target, prompt: Sequence[int], stats: Stats, reuse: bool = T
 
 
 def cycle(target: Target, proposer: Proposer | None, committed: list[int], k: int, sc: SamplingConfig,
-          rng: np.random.Generator, stats: Stats, clock: Clock = time.perf_counter) -> tuple[list[int], int]:
-    """Propose up to k tokens, verify them in one target pass; returns (new tokens, drafts accepted).
+          rng: np.random.Generator, stats: Stats, clock: Clock = time.perf_counter, rules: Rules | None = None,
+          n_probs: int | None = None) -> tuple[list[int], int, list[TokenLogprob] | None]:
+    """Propose up to k tokens, verify them in one target pass; returns (new tokens, drafts accepted, their
+    logprobs when `n_probs` is not None: each token's and the `n_probs` best of its row).
 
     The target cache is rolled back past the first rejection in `finally` (and the
     proposer told, so it rolls back its own), so an exception or a consumer that
-    stops early leaves both consistent.
+    stops early leaves both consistent. Under a grammar a proposal ends at the first
+    token the grammar forbids, since the target could not commit it: cut before it, or,
+    when the draft sampled it, just after it, as rejecting it draws from the residual.
     """
     n_keep = len(committed) - 1  # what the target cache holds if this cycle commits nothing
     n_accepted, seconds = 0, None  # seconds stays None if the verify pass never ran
     try:
         t = clock()
         proposal = proposer.propose(committed, k) if proposer is not None else Proposal()
-        draft = proposal.tokens
+        draft, dists = proposal.tokens, proposal.dists
         if len(draft) > k:
             raise ValueError(f"proposer {proposal.source!r} proposed {len(draft)} tokens, more than the cap k={k}")
+        if rules is not None and (n_ok := rules.admits(draft)) < len(draft):
+            n_ok += dists is not None
+            draft, dists = draft[:n_ok], None if dists is None else dists[:n_ok]
         t_verify = clock()
         stats.draft_seconds += t_verify - t
         rows = target.decode([committed[-1], *draft], n_outputs=len(draft) + 1)
         seconds = clock() - t_verify
         if sc.greedy:
-            n_accepted, nxt = verify.greedy(rows, draft)
+            n_accepted, nxt = verify.greedy(rows, draft, rules, committed)
         else:
-            n_accepted, nxt = verify.sampled(rows, draft, proposal.dists, sc, rng)
+            n_accepted, nxt = verify.sampled(rows, draft, dists, sc, rng, rules, committed)
         stats.verify_seconds += clock() - t_verify
         stats.record(len(draft), n_accepted, proposal.source if draft else "none")
         n_keep = len(committed) + n_accepted
-        return [*draft[:n_accepted], nxt], n_accepted
+        new = [*draft[:n_accepted], nxt]
+        probs = None if n_probs is None else [sampling.logprob(rows[i], t, n_probs) for i, t in enumerate(new)]
+        return new, n_accepted, probs
     finally:
         target.trim(n_keep)
         if proposer is not None:
@@ -145,13 +162,15 @@ def cycle(target: Target, proposer: Proposer | None, committed: list[int], k: in
 
 def steps(target: Target, proposer: Proposer | None, prompt: list[int], config: GenerationConfig, stats: Stats,
           cancel: threading.Event, k_max: int, user_k: int | None = None, reuse: bool = True,
-          clock: Clock = time.perf_counter) -> Iterator[Step]:
+          clock: Clock = time.perf_counter, rules: Rules | None = None) -> Iterator[Step]:
     """Committed tokens, one cycle at a time, with the finish reason on the last cycle.
 
     Invariant between cycles: the target cache holds committed[:-1]; the last
-    committed token is decoded at the head of the next cycle's batch.
+    committed token is decoded at the head of the next cycle's batch. `rules`
+    (a grammar, penalties, logit bias) shape every row the target is read at.
     """
     sc = config.sampling
+    n_probs = config.logprobs
     rng = sc.rng()
     room = target.n_ctx - len(prompt)
     limit = room if config.max_tokens is None else min(config.max_tokens, room)
@@ -160,40 +179,47 @@ def steps(target: Target, proposer: Proposer | None, prompt: list[int], config: 
     stats.prefill_seconds = clock() - t0
     t1 = clock()
     if limit == 0:  # the prompt is in the cache (for the next request to reuse); nothing more
-        yield [], [], "length"
+        yield Step([], [], "length")
         return
     try:
-        first = sampling.sample(logits[-1], sc, rng)
+        row = logits[-1]
+        if rules is None:
+            first = sampling.sample(row, sc, rng)
+        else:
+            first = rules.token(row, prompt, rng)
+            rules.accept(first)
+        probs = None if n_probs is None else [sampling.logprob(row, first, n_probs)]
         if target.is_eog(first):
-            yield [], [], "stop"
+            yield Step([], [], "stop")
             return
         committed = [*prompt, first]
         stats.completion_tokens = 1
         if limit == 1:
-            yield [first], [False], "length"
+            yield Step([first], [False], "length", probs)
             return
-        yield [first], [False], None
+        yield Step([first], [False], None, probs)
         if proposer is not None:
             proposer.begin(committed, sc, rng)
         while True:
             k = k_cap(target.n_ctx - len(committed), limit - stats.completion_tokens, k_max, user_k)
-            new, n_accepted = cycle(target, proposer, committed, k, sc, rng, stats, clock)
+            new, n_accepted, probs = cycle(target, proposer, committed, k, sc, rng, stats, clock, rules, n_probs)
             stop_at = next((i for i, t in enumerate(new) if target.is_eog(t)), None)
             if stop_at is not None:
                 new = new[:stop_at]
+                probs = None if probs is None else probs[:stop_at]
             from_draft = [i < n_accepted for i in range(len(new))]
             committed.extend(new)
             stats.completion_tokens += len(new)
             if stop_at is not None:
                 target.trim(len(committed) - 1)
-                yield new, from_draft, "stop"
+                yield Step(new, from_draft, "stop", probs)
                 return
             if stats.completion_tokens >= limit:
-                yield new, from_draft, "length"
+                yield Step(new, from_draft, "length", probs)
                 return
             if cancel.is_set():
-                yield new, from_draft, "cancelled"
+                yield Step(new, from_draft, "cancelled", probs)
                 return
-            yield new, from_draft, None
+            yield Step(new, from_draft, None, probs)
     finally:
         stats.decode_seconds = clock() - t1

@@ -8,9 +8,19 @@ top-k only a few dozen of 150k entries are non-zero.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from edgespec.config import SamplingConfig
+
+
+class TokenLogprob(NamedTuple):
+    """A committed token's log-probability under the target's raw row, and the row's best `n` alternatives."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 def greedy(logits: np.ndarray) -> int:
@@ -54,3 +64,17 @@ def draw(ids: np.ndarray, p: np.ndarray, rng: np.random.Generator) -> int:
 def _softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x.max())
     return e / e.sum()
+
+
+def logprob(row: np.ndarray, token: int, n_top: int = 0) -> TokenLogprob:
+    """log softmax of the raw logits (no filters, bias or grammar), as llama.cpp's n_probs and OpenAI's logprobs."""
+    x = row.astype(np.float64)
+    m = x.max()
+    lse = m + np.log(np.exp(x - m).sum())
+    top: list[tuple[int, float]] = []
+    if n_top > 0:
+        n_top = min(n_top, len(x))
+        ids = np.argpartition(x, len(x) - n_top)[len(x) - n_top:]
+        ids = ids[np.argsort(-x[ids], kind="stable")]
+        top = [(int(i), float(x[i] - lse)) for i in ids]
+    return TokenLogprob(token, float(x[token] - lse), top)

@@ -11,6 +11,11 @@ token x is kept with probability min(1, q(x)/p(x)); on rejection the next token
 is drawn from the residual max(0, q - p), renormalized. Without p (n-gram
 proposals are point masses) this reduces to sample-and-match: draw y ~ q, keep
 x if y == x, else emit y.
+
+With `rules` (rules.py: a grammar, penalties, logit bias) each row is read after
+the history up to it, committed + draft[:i], and the grammar advances through
+each token as it is committed, so the rule is the same, applied to what the
+target alone would see.
 """
 
 from __future__ import annotations
@@ -20,18 +25,30 @@ from typing import Sequence
 import numpy as np
 
 from edgespec.config import SamplingConfig
+from edgespec.rules import Dist, Rules
 from edgespec.sampling import distribution, draw
 
-Dist = tuple[np.ndarray, np.ndarray]  # sparse distribution: (token ids, probabilities)
 
-
-def greedy(rows: np.ndarray, draft: Sequence[int]) -> tuple[int, int]:
-    """Keep draft tokens while they equal the target's argmax."""
-    preds = rows.argmax(axis=1)
-    n = 0
-    while n < len(draft) and preds[n] == draft[n]:
-        n += 1
-    return n, int(preds[n])
+def greedy(rows: np.ndarray, draft: Sequence[int], rules: Rules | None = None,
+           committed: Sequence[int] = ()) -> tuple[int, int]:
+    """Keep draft tokens while they equal the target's argmax (under `rules`, after committed + the draft so far)."""
+    if rules is None:
+        preds = rows.argmax(axis=1)
+        n = 0
+        while n < len(draft) and preds[n] == draft[n]:
+            n += 1
+        return n, int(preds[n])
+    history = list(committed)
+    for i, x in enumerate(draft):
+        y = rules.token(rows[i], history, None)
+        if y != x:
+            rules.accept(y)
+            return i, y
+        rules.accept(x)
+        history.append(x)
+    y = rules.token(rows[len(draft)], history, None)
+    rules.accept(y)
+    return len(draft), y
 
 
 def sampled(
@@ -40,22 +57,36 @@ def sampled(
     draft_dists: Sequence[Dist] | None,
     cfg: SamplingConfig,
     rng: np.random.Generator,
+    rules: Rules | None = None,
+    committed: Sequence[int] = (),
 ) -> tuple[int, int]:
     """Rejection sampling when the proposer gave its distributions, else sample-and-match."""
+    history = list(committed) if rules is not None else []
+
+    def target(i: int) -> Dist:
+        return distribution(rows[i], cfg) if rules is None else rules.dist(rows[i], history)
+
+    def commit(i: int, token: int) -> tuple[int, int]:
+        if rules is not None:
+            rules.accept(token)
+        return i, token
+
     for i, x in enumerate(draft):
-        q = distribution(rows[i], cfg)
+        q = target(i)
         if draft_dists is None:
             y = draw(*q, rng)
             if y != x:
-                return i, y
-            continue
-        p = draft_dists[i]
-        qx, px = prob_of(q, x), prob_of(p, x)
-        # px > 0 always holds for a token the draft sampled; the guard keeps a zero from dividing.
-        if px > 0 and rng.random() * px < qx:
-            continue
-        return i, draw(*residual(q, p), rng)
-    return len(draft), draw(*distribution(rows[len(draft)], cfg), rng)
+                return commit(i, y)
+        else:
+            p = draft_dists[i]
+            qx, px = prob_of(q, x), prob_of(p, x)
+            # px > 0 always holds for a token the draft sampled; the guard keeps a zero from dividing.
+            if not (px > 0 and rng.random() * px < qx):
+                return commit(i, draw(*residual(q, p), rng))
+        if rules is not None:
+            rules.accept(x)
+            history.append(x)
+    return commit(len(draft), draw(*target(len(draft)), rng))
 
 
 def prob_of(d: Dist, token: int) -> float:

@@ -109,7 +109,7 @@ def replay_one(prompt: list[int], out: list[int], curve: dict[int, float], auto:
     target = RecordedTarget(prompt + out, curve, load)
     steps = loop.steps(target, auto, prompt, GenerationConfig(max_tokens=len(out)), loop.Stats(),
                        threading.Event(), min(MAX_K, max(curve) - 1), clock=lambda: target.clock)
-    made = [t for tokens, _, _ in steps for t in tokens]
+    made = [t for step in steps for t in step.tokens]
     assert made == out, "the replay left the recorded output"
     return target.cost
 

@@ -128,8 +128,8 @@ def test_self_draft_rejects_only_at_near_ties(qwen_path, monkeypatch, capsys):
     margins: list[float] = []
     real_greedy = verify.greedy
 
-    def recording_greedy(rows, draft):
-        n, nxt = real_greedy(rows, draft)
+    def recording_greedy(rows, draft, *rest):
+        n, nxt = real_greedy(rows, draft, *rest)
         if n < len(draft):
             margins.append(float(rows[n, nxt] - rows[n, draft[n]]))
         return n, nxt

@@ -1,0 +1,139 @@
+"""What a verified row obeys before it becomes a token: a grammar, logit bias and repetition penalties.
+
+Verification asks the same question of every row the target produced: which token
+would the target alone pick here, given everything before it? With these rules the
+answer depends on the history (penalties) and on a grammar's state, so the verifier
+walks the rows in order, advancing the grammar only through tokens it commits;
+nothing ever has to be rolled back. The order is llama.cpp's: the grammar's mask,
+logit bias, penalties, then the filters of sampling.py.
+
+A full grammar mask costs tens of milliseconds on a 150k vocabulary, a step of the
+target, so the mask is asked only of the best-scoring candidates, widening until the
+answer is settled: the argmax alone is nearly always admitted (as in llama.cpp's
+sample-then-check path), and a top-k filter needs only its k best admitted tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from edgespec import sampling
+from edgespec.config import SamplingConfig
+from edgespec.errors import EdgespecError
+
+Dist = tuple[np.ndarray, np.ndarray]  # sparse distribution: (token ids, probabilities)
+_WIDTHS = (1, 64, 2048)  # candidates masked before the whole vocabulary
+
+
+class Grammar(Protocol):
+    """backend.Grammar's surface: a mask over candidate ids, advanced by committed tokens."""
+
+    def allowed(self, ids: np.ndarray) -> np.ndarray: ...
+
+    def accept(self, token: int) -> None: ...
+
+    def clone(self) -> Grammar: ...
+
+    def close(self) -> None: ...
+
+
+class Rules:
+    """One generation's rules over target rows; `token`/`dist` for the next position, `accept` to commit."""
+
+    def __init__(self, sc: SamplingConfig, grammar: Grammar | None = None) -> None:
+        self.sc, self.grammar = sc, grammar
+        self._bias = dict(sc.logit_bias)
+        self._penalize = sc.repeat_last_n != 0 and (
+            sc.repeat_penalty != 1.0 or sc.frequency_penalty != 0.0 or sc.presence_penalty != 0.0)
+
+    @staticmethod
+    def of(sc: SamplingConfig, grammar: Grammar | None = None) -> Rules | None:
+        """Rules for this config, or None when a row is used as it is (the fast paths)."""
+        rules = Rules(sc, grammar)
+        return rules if grammar is not None or rules._bias or rules._penalize else None
+
+    def logits(self, row: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """`row` with logit bias and penalties applied (a copy; the row itself when neither applies)."""
+        if not (self._bias or self._penalize):
+            return row
+        x = np.array(row, dtype=np.float32)
+        n = len(x)
+        for t, b in self._bias.items():
+            if 0 <= t < n:
+                x[t] += b
+        if self._penalize:
+            last = len(history) if self.sc.repeat_last_n < 0 else self.sc.repeat_last_n
+            ids, counts = np.unique(np.asarray(history[len(history) - last:], dtype=np.int64), return_counts=True)
+            keep = ids < n
+            ids, counts = ids[keep], counts[keep]
+            v = x[ids]
+            r = self.sc.repeat_penalty
+            v = np.where(v <= 0, v * r, v / r)  # llama.cpp: a repeated token is pushed away from likely either way
+            x[ids] = v - counts * self.sc.frequency_penalty - self.sc.presence_penalty
+        return x
+
+    def token(self, row: np.ndarray, history: Sequence[int], rng: np.random.Generator | None) -> int:
+        """The token the target alone picks after `history` (greedy when rng is None or the config is)."""
+        if self.sc.greedy or rng is None:
+            x = self.logits(row, history)
+            if self.grammar is None:
+                return int(np.argmax(x))
+            ids = np.sort(self._admitted(x, 1))  # sorted, so ties go to the lowest id as np.argmax does
+            return int(ids[np.argmax(x[ids])])
+        return sampling.draw(*self.dist(row, history), rng)
+
+    def dist(self, row: np.ndarray, history: Sequence[int]) -> Dist:
+        """The distribution the target alone samples from after `history`."""
+        x = self.logits(row, history)
+        if self.grammar is None:
+            return sampling.distribution(x, self.sc)
+        masked = np.full(len(x), -np.inf, dtype=np.float32)
+        ids = self._admitted(x, self.sc.top_k if self.sc.top_k > 0 else len(x))
+        masked[ids] = x[ids]
+        return sampling.distribution(masked, self.sc)
+
+    def accept(self, token: int) -> None:
+        if self.grammar is not None:
+            self.grammar.accept(token)
+
+    def admits(self, tokens: Sequence[int]) -> int:
+        """How many leading `tokens` the grammar admits from its current state (all, without a grammar)."""
+        if self.grammar is None or not tokens:
+            return len(tokens)
+        g = self.grammar.clone()
+        try:
+            for i, t in enumerate(tokens):
+                if not g.allowed(np.array([t]))[0]:
+                    return i
+                g.accept(t)
+            return len(tokens)
+        finally:
+            g.close()
+
+    def close(self) -> None:
+        if self.grammar is not None:
+            self.grammar.close()
+
+    def _admitted(self, x: np.ndarray, need: int) -> np.ndarray:
+        """Admitted ids among the best of `x`: at least `need` of them, or every admitted id there is.
+
+        Any id outside the candidates scanned scores below all of them, so the
+        first `need` admitted candidates are the best `need` admitted ids."""
+        assert self.grammar is not None
+        n = len(x)
+        for width in (*(w for w in _WIDTHS if w < n and w >= min(need, n) // 2), n):
+            if width >= n:
+                ids = np.arange(n)
+            elif width == 1:
+                ids = np.array([int(np.argmax(x))])
+            else:
+                ids = np.argpartition(x, n - width)[n - width:]
+            ok = ids[self.grammar.allowed(ids) & (x[ids] > -np.inf)]
+            if len(ok) >= min(need, n) or width >= n:
+                if len(ok) == 0:
+                    raise EdgespecError("the grammar admits no token here (every candidate is forbidden or "
+                                        "biased to -inf); loosen the grammar or the logit_bias")
+                return ok
+        raise AssertionError("unreachable: the last width is the whole vocabulary")

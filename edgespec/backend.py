@@ -10,12 +10,17 @@ Everything above this module speaks token ids and numpy arrays.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import json
 import logging
+import os
+import re
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 
 import llama_cpp
 import llama_cpp.llama_grammar
@@ -438,13 +443,28 @@ class Grammar:
     ever called with a token `allowed` admitted.
     """
 
-    def __init__(self, model: Model, gbnf: str, root: str = "root", *, what: str = "grammar") -> None:
+    def __init__(self, model: Model, gbnf: str, root: str = "root", *, what: str = "grammar",
+                 trigger: str | None = None) -> None:
+        """`trigger`: the grammar applies from this text on (fed to it too), the output before it is free,
+        as llama.cpp's lazy grammars for tool calls; a trigger that is one token is matched as that token."""
         self.model, self.gbnf = model, gbnf
         _recent_errors.clear()
-        self._s = llama_cpp.llama_sampler_init_grammar(model._vocab_p, gbnf.encode("utf-8"), root.encode("utf-8"))
-        if not self._s:
-            raise InvalidRequestError(f"{what} does not parse as GBNF ({_first_error()}); fix it by llama.cpp's "
-                                      f"grammar rules (grammars/README.md), with a rule named {root!r}")
+        g, r = gbnf.encode("utf-8"), root.encode("utf-8")
+        if trigger is None:
+            self._s = llama_cpp.llama_sampler_init_grammar(model._vocab_p, g, r)
+        else:
+            ids = model.tokenize(trigger, add_special=False, parse_special=True)
+            one = len(ids) == 1
+            tokens = (llama_cpp.llama_token * 1)(*ids[:1])
+            patterns = (ctypes.c_char_p * 1)(f"[\\s\\S]*?({re.escape(trigger)}[\\s\\S]*)".encode("utf-8"))
+            self._s = llama_cpp.llama_sampler_init_grammar_lazy_patterns(
+                model._vocab_p, g, r, patterns, 0 if one else 1, tokens, 1 if one else 0)
+        if not self._s:  # llama.cpp prints the parser's reason on stderr, not to its log: parse again to read it
+            with _stderr_captured() as said:
+                llama_cpp.llama_sampler_init_grammar(model._vocab_p, g, r)
+            reason = next((line for line in said() if "error parsing grammar" in line), _first_error())
+            raise InvalidRequestError(f"{what} does not parse as GBNF ({reason.split(': ', 1)[-1]}); fix it by "
+                                      f"llama.cpp's grammar rules (grammars/README.md), with a rule named {root!r}")
 
     @classmethod
     def from_json_schema(cls, model: Model, schema: dict, what: str = "json_schema") -> Grammar:
@@ -476,8 +496,26 @@ class Grammar:
         self.close()
 
 
-def json_schema_gbnf(schema: dict, what: str = "json_schema") -> str:
-    """llama.cpp's own JSON-schema-to-GBNF conversion (the one llama-server uses), of a schema that is valid."""
+@contextlib.contextmanager
+def _stderr_captured() -> Iterator[Callable[[], list[str]]]:
+    """What C code writes to file descriptor 2 meanwhile (the lines, once the block has ended)."""
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lambda: lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines += tmp.read().decode("utf-8", "replace").splitlines()
+
+
+def json_schema_gbnf(schema: dict, what: str = "json_schema", rule: str = "root") -> str:
+    """llama.cpp's own JSON-schema-to-GBNF conversion (the one llama-server uses), of a schema that is valid;
+    `rule` names the schema's top rule, so the grammar can be part of a larger one."""
     import jsonschema  # only here: validating a schema is all edgespec asks of it
 
     try:
@@ -487,7 +525,10 @@ def json_schema_gbnf(schema: dict, what: str = "json_schema") -> str:
         raise InvalidRequestError(f"{what} is not a valid JSON Schema: {e.message} (at {where}); fix the schema, "
                                   f"e.g. \"type\" must name a JSON type") from None
     try:
-        return llama_cpp.llama_grammar.json_schema_to_gbnf(json.dumps(schema))
+        converter = llama_cpp.llama_grammar.SchemaConverter(prop_order={}, allow_fetch=False, dotall=False,
+                                                             raw_pattern=False)
+        converter.visit(converter.resolve_refs(schema, "stdin"), "" if rule == "root" else rule)
+        return converter.format_grammar()
     except (AssertionError, ValueError, KeyError, TypeError, AttributeError, NotImplementedError, RecursionError) as e:
         raise InvalidRequestError(
             f"{what} cannot be turned into a grammar: {type(e).__name__}: {e}; llama.cpp's converter handles "

@@ -34,24 +34,34 @@ def render(
     eos_token: str = "",
     add_generation_prompt: bool = True,
     model_name: str = "the model",
+    tools: Sequence[dict[str, Any]] | None = None,
 ) -> str:
-    """The prompt text for `messages`, as the model's own template lays it out."""
+    """The prompt text for `messages` (and the `tools` they may call), as the model's own template lays it out."""
     if not template:
         raise ChatTemplateError(
             f"{model_name} has no chat template in its GGUF metadata; use plain completion (no --chat)"
         )
+    if tools and not supports_tools(template):
+        raise ChatTemplateError(f"the chat template of {model_name} does not lay out tools; use a model whose "
+                                f"template does (the Qwen2.5 family), or describe the tools in the prompt")
     try:
         return _ENV.from_string(template).render(
             messages=list(messages),
             bos_token=bos_token,
             eos_token=eos_token,
             add_generation_prompt=add_generation_prompt,
+            **({"tools": list(tools)} if tools else {}),
         )
     except (jinja2.TemplateError, TypeError, ValueError) as e:
         raise ChatTemplateError(
             f"the chat template of {model_name} failed to render ({type(e).__name__}: {e}); "
             f"use plain completion (no --chat) or a GGUF with a working template"
         ) from e
+
+
+def supports_tools(template: str | None) -> bool:
+    """Whether a template reads the `tools` variable (templates that do not would drop them silently)."""
+    return bool(template) and "tools" in template  # type: ignore[operator]
 
 
 class ChatSession:

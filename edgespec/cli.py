@@ -147,9 +147,9 @@ def _constraints(json_schema: Path | None, grammar: Path | None) -> dict[str, An
     try:
         schema = json.loads(json_schema.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise click.UsageError(f"--json-schema {json_schema} is not JSON ({e}); pass a JSON Schema file")
+        raise click.ClickException(f"--json-schema {json_schema} is not JSON ({e}); pass a JSON Schema file")
     if not isinstance(schema, dict):
-        raise click.UsageError(f"--json-schema {json_schema} holds a {type(schema).__name__}, not a JSON Schema "
+        raise click.ClickException(f"--json-schema {json_schema} holds a {type(schema).__name__}, not a JSON Schema "
                                f"object; pass a schema such as {{\"type\": \"object\"}}")
     from edgespec.backend import json_schema_gbnf
 

@@ -151,6 +151,7 @@ class GenerationConfig:
     # ({"type": "object"} for any JSON object), turned into one by llama.cpp's converter.
     grammar: str | None = None
     json_schema: dict | None = None
+    grammar_trigger: str | None = None  # the grammar applies from this text on, the output before it is free
     logprobs: int | None = None  # None: none; n >= 0: each token's log-probability and its row's n best
 
     def __post_init__(self) -> None:

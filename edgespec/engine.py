@@ -223,18 +223,21 @@ class Engine:
         """A raw prompt's tokens: BOS as the model asks, special tokens parsed."""
         return self.target.tokenize(prompt, add_special=True, parse_special=True)
 
-    def chat_text(self, messages: Sequence[chat.Message], add_generation_prompt: bool = True) -> str:
-        """`messages` laid out by the model's own chat template."""
+    def chat_text(self, messages: Sequence[chat.Message], add_generation_prompt: bool = True,
+                  tools: Sequence[dict] | None = None) -> str:
+        """`messages` (and the `tools` they may call) laid out by the model's own chat template."""
         m = self.target
         bos = m.token_text(m.vocab.bos) if m.vocab.bos is not None else ""
         eos = m.token_text(m.vocab.eos) if m.vocab.eos is not None else ""
         return chat.render(m.facts.chat_template, messages, bos_token=bos, eos_token=eos,
-                           add_generation_prompt=add_generation_prompt, model_name=m.path.name)
+                           add_generation_prompt=add_generation_prompt, model_name=m.path.name, tools=tools)
 
-    def chat_tokens(self, messages: Sequence[chat.Message], add_generation_prompt: bool = True) -> list[int]:
-        """Tokens of `messages` laid out by the model's own chat template."""
+    def chat_tokens(self, messages: Sequence[chat.Message], add_generation_prompt: bool = True,
+                    tools: Sequence[dict] | None = None) -> list[int]:
+        """Tokens of `messages` (and the `tools` they may call) laid out by the model's own chat template."""
         m = self.target
-        tokens = m.tokenize(self.chat_text(messages, add_generation_prompt), add_special=True, parse_special=True)
+        tokens = m.tokenize(self.chat_text(messages, add_generation_prompt, tools), add_special=True,
+                            parse_special=True)
         if len(tokens) > 1 and tokens[0] == tokens[1] == m.vocab.bos:
             tokens = tokens[1:]  # the template wrote the BOS the tokenizer also adds
         return tokens
@@ -301,7 +304,7 @@ class Engine:
         if config.json_schema is not None:
             return Grammar.from_json_schema(self.target, config.json_schema)
         if config.grammar is not None:
-            return Grammar(self.target, config.grammar)
+            return Grammar(self.target, config.grammar, trigger=config.grammar_trigger)
         return None
 
     def _generation(self, prompt_tokens: list[int], config: GenerationConfig, stop: Sequence[str],

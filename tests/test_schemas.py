@@ -6,7 +6,7 @@ import pytest
 
 from edgespec.errors import InvalidRequestError
 from edgespec.server import schemas
-from edgespec.server.schemas import COMPLETION, INFILL, OPENAI_CHAT
+from edgespec.server.schemas import COMPLETION, INFILL, OPENAI_CHAT, OPENAI_COMPLETIONS
 
 
 def gen(body, route=COMPLETION, default_max=128, temperature=0.8):
@@ -49,13 +49,19 @@ def test_samplers_edgespec_cannot_honour_are_refused(samplers, message):
     ({"frobnicate": 1}, COMPLETION, "'frobnicate' is not a field /completion takes"),
     ({"response_fields": ["content"]}, OPENAI_CHAT, "'response_fields' is not a field /v1/chat/completions"),
     ({"input_prefix": "x"}, COMPLETION, "'input_prefix' is not a field /completion"),
-    ({"logprobs": True}, OPENAI_CHAT, "'logprobs' true is refused unless false/0"),
-    ({"n_probs": 3}, INFILL, "'n_probs' 3 is refused unless 0"),
-    ({"repeat_penalty": 1.1}, COMPLETION, "'repeat_penalty' 1.1 is refused unless 1"),
-    ({"grammar": "root ::= \"a\""}, COMPLETION, "'grammar' .* is refused unless empty"),
-    ({"response_format": {"type": "json_object"}}, OPENAI_CHAT, "'response_format' .* is refused"),
-    ({"tools": [{"type": "function"}]}, OPENAI_CHAT, "'tools' .* is refused unless empty"),
-    ({"tool_choice": "required"}, OPENAI_CHAT, "'tool_choice' \"required\" is refused"),
+    ({"logprobs": True, "top_logprobs": 30}, OPENAI_CHAT, "'top_logprobs' must be between 0 and 20"),
+    ({"top_logprobs": 2}, OPENAI_CHAT, "'top_logprobs' needs 'logprobs': true"),
+    ({"n_probs": 3}, OPENAI_CHAT, "'n_probs' is not a field /v1/chat/completions"),
+    ({"post_sampling_probs": True}, COMPLETION, "'post_sampling_probs' true is refused unless false"),
+    ({"grammar": "root ::= \"a\"", "json_schema": {"type": "object"}}, COMPLETION,
+     "'grammar' and 'json_schema' were both given"),
+    ({"response_format": {"type": "xml"}}, OPENAI_CHAT, "'response_format' .* must be"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, OPENAI_CHAT,
+     "'response_format' schema must be a JSON schema object"),
+    ({"logit_bias": {"abc": 1}}, OPENAI_CHAT, "'logit_bias' key 'abc' must be a token id"),
+    ({"logit_bias": {"5": "x"}}, OPENAI_CHAT, "'logit_bias' value 'x' for '5' must be a number or false"),
+    ({"repeat_penalty": 0}, COMPLETION, "repeat_penalty 0.0 must be in"),
+    ({"functions": [{"name": "f"}]}, OPENAI_CHAT, "'functions' .* refused"),
     ({"speculative": {"proposer": "magic"}}, COMPLETION, "'speculative.proposer' 'magic'"),
     ({"speculative": {"depth": 3}}, COMPLETION, "'speculative' .* must be an object with any of proposer"),
     ({"stream_options": {"include_usage": True, "x": 1}}, OPENAI_CHAT, "'stream_options'"),
@@ -66,8 +72,33 @@ def test_fields_not_honoured_are_refused_by_name(body, route, message):
         gen(body, route)
 
 
+def test_penalties_bias_probabilities_and_constraints_reach_the_config():
+    r = schemas.generation({"repeat_penalty": 1.3, "repeat_last_n": -1, "frequency_penalty": 0.5,
+                            "presence_penalty": 0.25, "logit_bias": [[7, False], ["hi", 2]], "n_probs": 3,
+                            "json_schema": {"type": "object"}}, COMPLETION, 4096, 16, 0.8,
+                           tokenize=lambda text: [11, 12], n_vocab=100)
+    sc = r.config.sampling
+    assert (sc.repeat_penalty, sc.repeat_last_n, sc.frequency_penalty, sc.presence_penalty) == (1.3, -1, 0.5, 0.25)
+    assert sc.logit_bias == ((7, float("-inf")), (11, 2.0), (12, 2.0))
+    assert r.config.logprobs == 3 and r.config.json_schema == {"type": "object"}
+    assert r.settings["logit_bias"] == [[7, False], [11, 2.0], [12, 2.0]]
+    chat = schemas.generation({"logprobs": True, "top_logprobs": 2, "logit_bias": {"5": -1.5},
+                               "response_format": {"type": "json_schema", "json_schema": {
+                                   "name": "x", "strict": True, "schema": {"type": "array"}}}},
+                              OPENAI_CHAT, 4096, 16, 1.0)
+    assert chat.config.logprobs == 2 and chat.config.sampling.logit_bias == ((5, -1.5),)
+    assert chat.config.json_schema == {"type": "array"}
+    assert schemas.generation({"logprobs": 0}, OPENAI_COMPLETIONS, 4096, 16, 1.0).config.logprobs == 0
+    assert schemas.generation({"response_format": {"type": "json_object"}}, OPENAI_COMPLETIONS, 4096, 16,
+                              1.0).config.json_schema == {"type": "object"}
+    assert schemas.generation({"samplers": ["top_k"], "repeat_penalty": 1.5}, COMPLETION, 4096, 16,
+                              0.8).config.sampling.repeat_penalty == 1.0  # penalties left out of the chain
+    with pytest.raises(InvalidRequestError, match="'logit_bias' token id 100 is outside the vocabulary"):
+        schemas.generation({"logit_bias": {"100": 1}}, OPENAI_CHAT, 4096, 16, 1.0, n_vocab=100)
+
+
 @pytest.mark.parametrize("body, route", [
-    ({"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False, "n": 1, "tools": [], "user": "u",
+    ({"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False, "n": 1, "user": "u",
       "model": "anything", "stream_options": {"include_usage": True}, "parallel_tool_calls": True}, OPENAI_CHAT),
     ({"repeat_penalty": 1.0, "repeat_last_n": 64, "n_probs": 0, "typical_p": 1, "mirostat": 0, "dry_multiplier": 0,
       "t_max_prompt_ms": 500, "n_keep": 0, "id_slot": -1, "cache_prompt": True, "return_tokens": True,

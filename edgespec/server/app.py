@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import ipaddress
 import json
 import logging
+import math
 import signal
 import threading
 import time
@@ -32,8 +34,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgespec import __version__, errors
-from edgespec.backend import library_version
+from edgespec import __version__, errors, tools
+from edgespec.backend import json_schema_gbnf, library_version
 from edgespec.config import (
     DEFAULT_HOST,
     DEFAULT_MAX_BODY_BYTES,
@@ -46,7 +48,7 @@ from edgespec.config import (
     OPENAI_TEMPERATURE,
     SHUTDOWN_GRACE_SECONDS,
 )
-from edgespec.server import metrics, schemas
+from edgespec.server import logprobs, metrics, schemas
 
 if TYPE_CHECKING:
     from edgespec.engine import Chunk, Engine
@@ -298,29 +300,37 @@ class _Service:
     async def completions(self, request: Request) -> Response:
         body = await self.body_of(request)
         eng = self.engine()
-        req = schemas.generation(body, schemas.OPENAI_COMPLETIONS, eng.n_ctx, OPENAI_COMPLETIONS_MAX_TOKENS,
-                                 OPENAI_TEMPERATURE)
+        req = _generation(body, schemas.OPENAI_COMPLETIONS, eng, OPENAI_COMPLETIONS_MAX_TOKENS, OPENAI_TEMPERATURE)
         return await self.openai_response(request, _prompt(body, eng), req, "'prompt'", chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self.body_of(request)
         eng = self.engine()
-        req = schemas.generation(body, schemas.OPENAI_CHAT, eng.n_ctx, OPENAI_CHAT_MAX_TOKENS, OPENAI_TEMPERATURE)
-        prompt = eng.chat_tokens(schemas.messages(body))
-        return await self.openai_response(request, prompt, req, "'messages'", chat=True)
+        req = _generation(body, schemas.OPENAI_CHAT, eng, OPENAI_CHAT_MAX_TOKENS, OPENAI_TEMPERATURE)
+        plan = None
+        if not schemas._empty(body.get("tools")):
+            plan = tools.choose(tools.check_tools(body["tools"], lambda p, what: json_schema_gbnf(p, what)),
+                                body.get("tool_choice"), schemas.flag(body, "parallel_tool_calls", True),
+                                json_schema_gbnf)
+            req = _with_tools(req, plan, eng)
+        elif body.get("tool_choice") not in (None, "none", "auto"):
+            raise errors.InvalidRequestError(f"'tool_choice' {json.dumps(body['tool_choice'])} needs 'tools'; "
+                                             f"send the tools it may call")
+        prompt = eng.chat_tokens(schemas.messages(body), tools=plan.tools if plan else None)
+        return await self.openai_response(request, prompt, req, "'messages'", chat=True, with_tools=plan is not None)
 
     async def completion(self, request: Request) -> Response:
         """llama.cpp's native /completion, as Continue and others call it."""
         body = await self.body_of(request)
         eng = self.engine()
-        req = schemas.generation(body, schemas.COMPLETION, eng.n_ctx, LLAMA_N_PREDICT, LLAMA_TEMPERATURE)
+        req = _generation(body, schemas.COMPLETION, eng, LLAMA_N_PREDICT, LLAMA_TEMPERATURE)
         return await self.llama_response(request, _prompt(body, eng), req, "'prompt'")
 
     async def infill(self, request: Request) -> Response:
         """llama.cpp's /infill: prefix, suffix and extra files around the cursor, as llama.vim sends them."""
         body = await self.body_of(request)
         eng = self.engine()
-        req = schemas.generation(body, schemas.INFILL, eng.n_ctx, LLAMA_N_PREDICT, LLAMA_TEMPERATURE)
+        req = _generation(body, schemas.INFILL, eng, LLAMA_N_PREDICT, LLAMA_TEMPERATURE)
         room = req.config.max_tokens if req.config.max_tokens else LLAMA_N_PREDICT  # kept free for the answer
         prompt = eng.infill_tokens(
             schemas.text_field(body, "input_prefix", "") or "", schemas.text_field(body, "input_suffix", "") or "",
@@ -331,27 +341,29 @@ class _Service:
     # -- responses -----------------------------------------------------------------
 
     async def openai_response(self, request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
-                              chat: bool) -> Response:
-        # Checked before a stream starts: a 400, not a broken stream.
-        self.engine().check_fits(prompt, prompt_name)
+                              chat: bool, with_tools: bool = False) -> Response:
+        eng = self.engine()
+        _check_request(eng, prompt, prompt_name, req)
         head = _OpenAIHead(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time()),
-                           self.settings.model_name, chat)
+                           self.settings.model_name, chat, eng.target.token_piece, with_tools)
         cancel = threading.Event()
         if not req.stream:
             chunks = await self.run(request, prompt, req, cancel)
-            return JSONResponse(head.completion("".join(c.text for c in chunks), chunks[-1], req))
+            return JSONResponse(head.completion(chunks, req))
         chunks = self.stream_chunks(prompt, req, cancel)
 
         async def events() -> AsyncIterator[str]:
-            first = True
+            first, calls, offset = True, _CallBuffer() if with_tools else None, 0
             async for c in chunks:
                 if c is None:
                     yield KEEPALIVE
                     continue
-                if c.finish_reason is None and not c.text:
+                if calls is not None:
+                    c = calls.push(c)
+                if c.finish_reason is None and not c.text and not c.logprobs:
                     continue
-                yield _sse(head.chunk(c, first, req))
-                first = False
+                yield _sse(head.chunk(c, first, req, calls, offset))
+                first, offset = False, offset + len(c.text)
                 if c.stats is not None and req.include_usage:
                     yield _sse(head.usage_chunk(c))
             yield "data: [DONE]\n\n"
@@ -360,8 +372,8 @@ class _Service:
 
     async def llama_response(self, request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
                              infill: bool = False) -> Response:
-        self.engine().check_fits(prompt, prompt_name)
-        model = self.settings.model_name
+        _check_request(self.engine(), prompt, prompt_name, req)
+        model, piece = self.settings.model_name, self.engine().target.token_piece
         cancel = threading.Event()
         if infill and self.settings.infill_cancel_older:
             for older in list(self.infills):
@@ -375,6 +387,9 @@ class _Service:
                     chunks = await self.run(request, prompt, req, cancel)
                     final = _llama_final("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
                                          chunks[-1], model, req) | {"index": i}
+                    if req.config.logprobs is not None:
+                        final["completion_probabilities"] = logprobs.llama(
+                            [lp for c in chunks for lp in c.logprobs or []], piece)
                     results.append(schemas.pick_fields(final, req.response_fields))
                 return JSONResponse(results if req.n > 1 else results[0])
         finally:
@@ -390,7 +405,10 @@ class _Service:
                     elif c.stats is not None:  # in a stream, the text came in the earlier events
                         yield _sse(schemas.pick_fields(_llama_final("", [], c, model, req), req.response_fields))
                     elif c.text or c.tokens:
-                        yield _sse({"content": c.text, "tokens": c.tokens, "stop": False})
+                        event = {"content": c.text, "tokens": c.tokens, "stop": False}
+                        if c.logprobs:
+                            event["completion_probabilities"] = logprobs.llama(c.logprobs, piece)
+                        yield _sse(event)
             finally:
                 self.infills.discard(cancel)
 
@@ -427,22 +445,38 @@ def create_app(settings: Settings, load_engine: Callable[[], Engine]) -> Starlet
 
 @dataclass(frozen=True)
 class _OpenAIHead:
-    """What every object of one OpenAI response repeats."""
+    """What every object of one OpenAI response repeats, and how its tokens are written."""
 
     id: str
     created: int
     model: str
     chat: bool
+    piece: logprobs.Piece
+    tools: bool = False  # tool calls are parsed out of the text
 
     def _object(self, obj: str, choice: dict[str, Any]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
 
-    def completion(self, text: str, last: Chunk, req: schemas.Request) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": _openai_finish(last.finish_reason)}
+    def _logprobs(self, lps: list[Any] | None, req: schemas.Request, offset: int = 0) -> dict[str, Any] | None:
+        if req.config.logprobs is None:
+            return None
+        return logprobs.chat(lps or [], self.piece) if self.chat else logprobs.completions(lps or [], self.piece,
+                                                                                           offset)
+
+    def completion(self, chunks: list[Chunk], req: schemas.Request) -> dict[str, Any]:
+        last, text = chunks[-1], "".join(c.text for c in chunks)
+        finish = _openai_finish(last.finish_reason)
+        lps = self._logprobs([lp for c in chunks for lp in c.logprobs or []], req)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            content, calls = tools.parse(text) if self.tools else (text, [])
+            choice["message"] = {"role": "assistant", "content": content}
+            if calls:
+                choice["message"]["tool_calls"] = calls
+                choice["finish_reason"] = "tool_calls"
+            choice["logprobs"] = lps
         else:
-            choice |= {"text": text, "logprobs": None}
+            choice |= {"text": text, "logprobs": lps}
         assert last.stats is not None
         return self._object("chat.completion" if self.chat else "text_completion", choice) | {
             "usage": _usage(last.stats), "speculative": _spec(last.stats, req)}
@@ -453,19 +487,54 @@ class _OpenAIHead:
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": [], "usage": _usage(last.stats)}
 
-    def chunk(self, c: Chunk, first: bool, req: schemas.Request) -> dict[str, Any]:
+    def chunk(self, c: Chunk, first: bool, req: schemas.Request, calls: _CallBuffer | None = None,
+              offset: int = 0) -> dict[str, Any]:
         finish = _openai_finish(c.finish_reason) if c.finish_reason else None
+        lps = self._logprobs(c.logprobs, req, offset) if c.logprobs or finish is None else None
         if self.chat:
             delta: dict[str, Any] = {"content": c.text} if c.text or not finish else {}
             if first:
                 delta["role"] = "assistant"
-            event = self._object("chat.completion.chunk", {"index": 0, "delta": delta, "finish_reason": finish})
+            if finish and calls is not None and calls.calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls.calls)]
+                finish = "tool_calls"
+            event = self._object("chat.completion.chunk", {"index": 0, "delta": delta, "logprobs": lps,
+                                                           "finish_reason": finish})
         else:
-            event = self._object("text_completion", {"index": 0, "text": c.text, "logprobs": None,
+            event = self._object("text_completion", {"index": 0, "text": c.text, "logprobs": lps,
                                                      "finish_reason": finish})
         if c.stats is not None:
             event |= {"usage": _usage(c.stats), "speculative": _spec(c.stats, req)}
         return event
+
+
+class _CallBuffer:
+    """A stream's text from the first tool-call tag on, held back and sent as tool_calls when the answer ends
+    (as text after all if it does not parse: a call cut off by the length limit). The tag may come as one
+    token or as several, so text that could be its start waits for the next chunk."""
+
+    def __init__(self) -> None:
+        self.held: str | None = None
+        self.calls: list[dict[str, Any]] = []
+        self._tail = ""  # text that may be the start of the tag
+
+    def push(self, c: Chunk) -> Chunk:
+        out, self._tail = self._tail + c.text, ""
+        if self.held is not None:
+            self.held, out = self.held + out, ""
+        elif (i := out.find(tools.OPEN)) >= 0:
+            out, self.held = out[:i], out[i:]
+        else:
+            keep = next((n for n in range(min(len(tools.OPEN) - 1, len(out)), 0, -1)
+                         if out.endswith(tools.OPEN[:n])), 0)
+            out, self._tail = out[: len(out) - keep], out[len(out) - keep:]
+        if c.finish_reason is not None:
+            out, self._tail = out + self._tail, ""
+            if self.held is not None:
+                _, self.calls = tools.parse(self.held)
+                if not self.calls:
+                    out += self.held
+        return dataclasses.replace(c, text=out)
 
 
 class _Server(uvicorn.Server):
@@ -592,6 +661,37 @@ def _prompt(body: dict[str, Any], eng: Engine) -> list[int]:
             raise errors.InvalidRequestError(f"token ids must be in 0..{eng.n_vocab - 1}, got {bad[:4]}")
         return value
     return eng.tokenize(schemas.text_field(body, "prompt", required=True) or "")
+
+
+def _generation(body: dict[str, Any], route: str, eng: Engine, default_max_tokens: int | None,
+                default_temperature: float) -> schemas.Request:
+    return schemas.generation(body, route, eng.n_ctx, default_max_tokens, default_temperature,
+                              lambda text: eng.target.tokenize(text, add_special=False, parse_special=True),
+                              eng.n_vocab)
+
+
+def _check_request(eng: Engine, prompt: list[int], prompt_name: str, req: schemas.Request) -> None:
+    """What would fail a generation at its start, checked before a stream starts: a 400, not a broken stream."""
+    eng.check_fits(prompt, prompt_name)
+    grammar = eng.grammar(req.config)
+    if grammar is not None:
+        grammar.close()
+
+
+def _with_tools(req: schemas.Request, plan: tools.ToolPlan, eng: Engine) -> schemas.Request:
+    """The request's generation under its tool plan: the calls' grammar, or the call tag forbidden."""
+    c = req.config
+    if plan.gbnf is not None and (c.grammar or c.json_schema is not None):
+        raise errors.InvalidRequestError("'tools' with a response_format, grammar or json_schema: the calls have "
+                                         "their own grammar; send one or the other")
+    if plan.forbid_open:
+        tag = eng.target.tokenize(tools.OPEN, add_special=False, parse_special=True)
+        bias = tuple((t, -math.inf) for t in tag[:1]) if len(tag) == 1 else ()
+        config = dataclasses.replace(c, sampling=dataclasses.replace(c.sampling, logit_bias=c.sampling.logit_bias
+                                                                      + bias))
+    else:
+        config = dataclasses.replace(c, grammar=plan.gbnf, grammar_trigger=tools.OPEN if plan.lazy else None)
+    return dataclasses.replace(req, config=config)
 
 
 def _openai_finish(reason: str | None) -> str:

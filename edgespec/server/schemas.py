@@ -16,13 +16,16 @@ from typing import Any, Callable, Sequence
 
 from edgespec.config import (
     DEFAULT_MIN_P,
+    DEFAULT_REPEAT_LAST_N,
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
     MAX_K,
+    MAX_LOGPROBS,
     PROPOSERS,
     GenerationConfig,
     SamplingConfig,
 )
+from edgespec import tools
 from edgespec.errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16
@@ -43,7 +46,7 @@ SAMPLER_ALIASES = {"top-k": "top_k", "topk": "top_k", "top-p": "top_p", "topp": 
 SAMPLER_CHARS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
                  "m": "min_p", "x": "xtc", "t": "temperature", "i": "infill"}
 # Samplers edgespec has; the others in SAMPLER_CHAIN do nothing at their defaults (refused otherwise, below).
-OWN_SAMPLERS = ("top_k", "top_p", "min_p", "temperature")
+OWN_SAMPLERS = ("penalties", "top_k", "top_p", "min_p", "temperature")
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,6 @@ def _empty(v: Any) -> bool:
 
 
 _OAI = (OPENAI_CHAT, OPENAI_COMPLETIONS)
-_NEXT = "structured output and tools are not implemented yet"
 FIELDS: dict[str, Field] = {
     # -- the prompt -------------------------------------------------------------------------------------------
     "messages": Field("the chat, laid out by the model's own template (text parts of content lists)", (OPENAI_CHAT,)),
@@ -94,7 +96,7 @@ FIELDS: dict[str, Field] = {
     "top_p": Field("1 turns it off, 0 keeps the top token"),
     "min_p": Field("0 turns it off"),
     "seed": Field("-1 is random; any other integer reproduces the sample"),
-    "samplers": Field("names or letters; top_k, top_p, min_p, temperature honoured (one left out is off, "
+    "samplers": Field("names or letters; penalties, top_k, top_p, min_p, temperature honoured (one left out is off, "
                       "temperature left out samples at 1, as in llama.cpp), in llama.cpp's order; the other "
                       "names do nothing at their defaults; infill is accepted and not applied (edgespec has no "
                       "infill sampler)"),
@@ -123,7 +125,6 @@ FIELDS: dict[str, Field] = {
     "n_keep": Field("accepted and not used: it only matters for context shifting, which edgespec does not do "
                     "(an answer ends at the context's end, as in llama.cpp by default)"),
     "n_discard": Field("accepted and not used: as n_keep"),
-    "repeat_last_n": Field("accepted: no effect while repeat_penalty is 1"),
     "dry_base": Field("accepted: no effect while dry_multiplier is 0"),
     "dry_allowed_length": Field("accepted: no effect while dry_multiplier is 0"),
     "dry_penalty_last_n": Field("accepted: no effect while dry_multiplier is 0"),
@@ -137,25 +138,34 @@ FIELDS: dict[str, Field] = {
     "echo": Field("refused unless false: the prompt is not echoed", (OPENAI_COMPLETIONS,), _is(False)),
     "best_of": Field("refused unless 1: one answer per request", (OPENAI_COMPLETIONS,), _is(1)),
     "suffix": Field("refused: use /infill for fill-in-the-middle", (OPENAI_COMPLETIONS,), _empty),
-    # -- not implemented: refused unless at the value that changes nothing --------------------------------------------
-    "frequency_penalty": Field("refused unless 0: penalties are not implemented yet", no_op=_is(0.0)),
-    "presence_penalty": Field("refused unless 0: penalties are not implemented yet", no_op=_is(0.0)),
-    "repeat_penalty": Field("refused unless 1: penalties are not implemented yet", no_op=_is(1.0)),
-    "logit_bias": Field("refused unless empty: not implemented yet", no_op=_empty),
-    "logprobs": Field("refused unless false/0: not implemented yet", no_op=_is(False, 0)),
-    "top_logprobs": Field("refused unless 0: not implemented yet", _OAI, _is(0)),
-    "n_probs": Field("refused unless 0: not implemented yet", LLAMA_ROUTES, _is(0)),
-    "post_sampling_probs": Field("refused unless false: probabilities are not implemented yet", LLAMA_ROUTES,
-                                 _is(False)),
-    "response_format": Field(f"refused unless {{\"type\": \"text\"}}: {_NEXT}", _OAI,
-                             lambda v: v is None or v == {"type": "text"}),
-    "grammar": Field(f"refused unless empty: {_NEXT}", LLAMA_ROUTES, _empty),
-    "json_schema": Field(f"refused: {_NEXT}", LLAMA_ROUTES, lambda v: v is None),
-    "tools": Field(f"refused unless empty: {_NEXT}", _OAI, _empty),
-    "tool_choice": Field(f"refused unless none or auto without tools: {_NEXT}", _OAI, _is("none", "auto")),
-    "parallel_tool_calls": Field("accepted without tools", _OAI, _is(True, False)),
-    "functions": Field(f"refused: {_NEXT}", _OAI, _empty),
-    "function_call": Field(f"refused: {_NEXT}", _OAI, _is("none", "auto")),
+    # -- penalties, bias, probabilities: applied to every verified row ----------------------------------------------
+    "repeat_penalty": Field("a token among the last repeat_last_n (prompt included) has its logit divided by this "
+                            "(multiplied when negative), as llama.cpp; 1 is off"),
+    "repeat_last_n": Field("the tokens the penalties look back over (default 64); -1 all, 0 off"),
+    "frequency_penalty": Field("subtracted from a token's logit once per time it occurs in that window"),
+    "presence_penalty": Field("subtracted from a token's logit once if it occurs in that window"),
+    "logit_bias": Field('added to logits: {"id": bias} (OpenAI), [[id, bias]] or [["text", bias]] (llama.cpp, '
+                        'every token of the text); false or -inf forbids the token'),
+    "logprobs": Field("the target's own log-probabilities of the tokens committed (drafted or not), from the rows "
+                      "it verified: true on chat, the number of alternatives (0-20) on /v1/completions", _OAI),
+    "top_logprobs": Field("alternatives per token (0-20) with chat's logprobs: true", (OPENAI_CHAT,)),
+    "n_probs": Field("completion_probabilities with this many alternatives per token (0-20), as llama.cpp",
+                     LLAMA_ROUTES),
+    "post_sampling_probs": Field("refused unless false: probabilities are the model's own, before the samplers",
+                                 LLAMA_ROUTES, _is(False)),
+    # -- constraints: a grammar applied to every verified row --------------------------------------------------------
+    "response_format": Field('{"type": "json_object"} (any JSON object, or the schema in "schema"), {"type": '
+                             '"json_schema", "json_schema": {"schema": ...}} (strict or not, the output follows it), '
+                             'or {"type": "text"}', _OAI),
+    "grammar": Field("a GBNF grammar (llama.cpp's format) the output follows"),
+    "json_schema": Field("a JSON schema the output follows, through llama.cpp's converter"),
+    "tools": Field("function tools, laid out by the model's own template; calls come back as tool_calls, their "
+                   "arguments following each function's parameters schema", (OPENAI_CHAT,)),
+    "tool_choice": Field("auto (default: text, or calls once one opens), required, none, or "
+                         '{"type": "function", "function": {"name": ...}}', (OPENAI_CHAT,)),
+    "parallel_tool_calls": Field("whether more than one call may follow the first (default true)", (OPENAI_CHAT,)),
+    "functions": Field("refused: the deprecated form of tools; send tools", _OAI, _empty),
+    "function_call": Field("refused: the deprecated form of tool_choice; send tool_choice", _OAI, _is("none", "auto")),
     "ignore_eos": Field("refused unless false: not implemented", no_op=_is(False)),
     "typical_p": Field("refused unless 1: not implemented", no_op=_is(1.0)),
     "tfs_z": Field("refused unless 1: not implemented", no_op=_is(1.0)),
@@ -184,8 +194,6 @@ def check_fields(body: dict[str, Any], route: str) -> None:
                                       f"table lists every field edgespec honours or accepts)")
         if f.no_op is not None and not f.no_op(value):
             raise InvalidRequestError(f"'{key}' {json.dumps(value)} is {f.what}; remove the field")
-    if body.get("tool_choice") not in (None, "none") and not _empty(body.get("tools")):
-        raise InvalidRequestError(f"'tools' and 'tool_choice' are not supported: {_NEXT}; remove them")
 
 
 def number(body: dict[str, Any], key: str, default: float | None, lo: float, hi: float, integer: bool = False,
@@ -250,8 +258,10 @@ class Request:
 
 
 def generation(body: dict[str, Any], route: str, n_ctx: int, default_max_tokens: int | None,
-               default_temperature: float) -> Request:
-    """The fields every generation route shares, with llama.cpp's meanings (OpenAI's where they differ)."""
+               default_temperature: float, tokenize: Callable[[str], list[int]] | None = None,
+               n_vocab: int = 2**31 - 1) -> Request:
+    """The fields every generation route shares, with llama.cpp's meanings (OpenAI's where they differ).
+    `tokenize` turns logit_bias's text keys into tokens."""
     check_fields(body, route)
     max_tokens = number(body, "n_predict", None, -1, 2**31 - 1, integer=True,
                         aliases=("max_completion_tokens", "max_tokens"))
@@ -259,14 +269,15 @@ def generation(body: dict[str, Any], route: str, n_ctx: int, default_max_tokens:
         max_tokens = default_max_tokens
     elif max_tokens == -1:
         max_tokens = None
-    sampling = _sampling(body, default_temperature)
+    sampling = _sampling(body, default_temperature, _logit_bias(body, n_vocab, tokenize))
     time_limit = number(body, "t_max_predict_ms", None, -1, 2**63 - 1, integer=True)
     proposer, k = _speculative(body)
     config = GenerationConfig(
         max_tokens=max_tokens, sampling=sampling, reuse_prefix=flag(body, "cache_prompt", True),
         time_limit=time_limit / 1000 if time_limit and time_limit > 0 else None,
         min_indent=number(body, "n_indent", 0, 0, 2**31 - 1, integer=True), proposer=proposer, k=k,
-        slot=number(body, "id_slot", None, -1, 2**31 - 1, integer=True))
+        slot=number(body, "id_slot", None, -1, 2**31 - 1, integer=True), logprobs=_logprobs(body, route),
+        **_constraint(body))
     options = body.get("stream_options")
     if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
         raise InvalidRequestError(f"'stream_options' {options!r}: only {{\"include_usage\": bool}} is supported")
@@ -274,7 +285,11 @@ def generation(body: dict[str, Any], route: str, n_ctx: int, default_max_tokens:
                 "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p,
                 "seed": -1 if sampling.seed is None else sampling.seed, "n_indent": config.min_indent,
                 "t_max_predict_ms": -1 if time_limit is None else time_limit, "cache_prompt": config.reuse_prefix,
-                "samplers": list(_samplers(body))}
+                "samplers": list(_samplers(body)), "repeat_penalty": sampling.repeat_penalty,
+                "repeat_last_n": sampling.repeat_last_n, "frequency_penalty": sampling.frequency_penalty,
+                "presence_penalty": sampling.presence_penalty, "n_probs": config.logprobs or 0,
+                "logit_bias": [[t, b if math.isfinite(b) else False] for t, b in sampling.logit_bias],
+                "grammar": config.grammar or "", "json_schema": config.json_schema or {}}
     n, stream = number(body, "n_cmpl", 1, 1, MAX_COMPLETIONS, integer=True), flag(body, "stream", False)
     if n > 1 and stream:
         raise InvalidRequestError(f"'n_cmpl' {n} with 'stream': true is not supported; stream one completion, "
@@ -284,10 +299,12 @@ def generation(body: dict[str, Any], route: str, n_ctx: int, default_max_tokens:
                    flag(options or {}, "include_usage", False), settings, n)
 
 
-def _sampling(body: dict[str, Any], default_temperature: float) -> SamplingConfig:
+def _sampling(body: dict[str, Any], default_temperature: float,
+              logit_bias: tuple[tuple[int, float], ...] = ()) -> SamplingConfig:
     """llama.cpp's conventions: top_k <= 0 off, temperature <= 0 greedy, seed -1 random; a sampler left out of
-    `samplers` is off (temperature left out samples at 1)."""
+    `samplers` is off (temperature left out samples at 1, penalties left out are off)."""
     chain = _samplers(body)
+    penalties = "penalties" in chain
     temperature = max(0.0, number(body, "temperature", default_temperature, -math.inf, 100.0))
     return SamplingConfig(
         temperature=temperature if "temperature" in chain else 1.0,
@@ -295,7 +312,97 @@ def _sampling(body: dict[str, Any], default_temperature: float) -> SamplingConfi
         top_p=number(body, "top_p", DEFAULT_TOP_P, 0.0, 1.0) if "top_p" in chain else 1.0,
         min_p=number(body, "min_p", DEFAULT_MIN_P, 0.0, 1.0) if "min_p" in chain else 0.0,
         seed=number(body, "seed", None, -(2**63), 2**63 - 1, integer=True),
+        repeat_penalty=number(body, "repeat_penalty", 1.0, 0.0, 100.0) if penalties else 1.0,
+        repeat_last_n=number(body, "repeat_last_n", DEFAULT_REPEAT_LAST_N, -1, 2**31 - 1, integer=True),
+        frequency_penalty=number(body, "frequency_penalty", 0.0, -100.0, 100.0) if penalties else 0.0,
+        presence_penalty=number(body, "presence_penalty", 0.0, -100.0, 100.0) if penalties else 0.0,
+        logit_bias=logit_bias,
     )
+
+
+def _logit_bias(body: dict[str, Any], n_vocab: int,
+                tokenize: Callable[[str], list[int]] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"id": bias} or llama.cpp's [[id or text, bias]]; false (or -inf) forbids; text biases each of
+    its tokens."""
+    value = body.get("logit_bias")
+    if _empty(value):
+        return ()
+    if isinstance(value, dict):
+        pairs = list(value.items())
+    elif isinstance(value, list) and all(isinstance(p, list) and len(p) == 2 for p in value):
+        pairs = [(k, b) for k, b in value]
+    else:
+        raise InvalidRequestError(f"'logit_bias' must be {{\"token id\": bias}} or [[id or text, bias], ...], "
+                                  f"got {json.dumps(value)[:80]}")
+    out = []
+    for key, bias in pairs:
+        if bias is False:
+            bias = -math.inf
+        elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
+            raise InvalidRequestError(f"'logit_bias' value {bias!r} for {key!r} must be a number or false")
+        if isinstance(key, int) and not isinstance(key, bool) or isinstance(key, str) and key.lstrip("-").isdigit():
+            ids = [int(key)]
+        elif isinstance(key, str) and tokenize is not None:
+            ids = tokenize(key)
+        else:
+            raise InvalidRequestError(f"'logit_bias' key {key!r} must be a token id (or, on llama.cpp's routes, text)")
+        bad = [t for t in ids if not 0 <= t < n_vocab]
+        if bad:
+            raise InvalidRequestError(f"'logit_bias' token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})")
+        out += [(t, float(bias)) for t in ids]
+    return tuple(out)
+
+
+def _logprobs(body: dict[str, Any], route: str) -> int | None:
+    """How many alternatives each token's log-probability comes with; None when none were asked for."""
+    if route == OPENAI_CHAT:
+        top = number(body, "top_logprobs", None, 0, MAX_LOGPROBS, integer=True)
+        if not flag(body, "logprobs", False):
+            if top:
+                raise InvalidRequestError("'top_logprobs' needs 'logprobs': true")
+            return None
+        return top or 0
+    if route == OPENAI_COMPLETIONS:
+        value = body.get("logprobs")
+        if value is False:
+            return None
+        return number(body, "logprobs", None, 0, MAX_LOGPROBS, integer=True)
+    n = number(body, "n_probs", 0, 0, MAX_LOGPROBS, integer=True)
+    return n or None
+
+
+def _constraint(body: dict[str, Any]) -> dict[str, Any]:
+    """grammar / json_schema / response_format as GenerationConfig fields (one of them at most)."""
+    given = [k for k in ("grammar", "json_schema", "response_format") if not _empty(body.get(k))
+             and body.get(k) != {"type": "text"}]
+    if len(given) > 1:
+        raise InvalidRequestError(f"{' and '.join(repr(k) for k in given)} were both given; send one constraint")
+    grammar, schema, fmt = body.get("grammar"), body.get("json_schema"), body.get("response_format")
+    if not _empty(grammar):
+        if not isinstance(grammar, str):
+            raise InvalidRequestError("'grammar' must be a string of GBNF rules")
+        return {"grammar": grammar}
+    if not _empty(schema):
+        if not isinstance(schema, dict):
+            raise InvalidRequestError(f"'json_schema' must be a JSON schema object, got {json.dumps(schema)[:80]}")
+        return {"json_schema": schema}
+    if _empty(fmt):
+        return {}
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        schema = fmt.get("schema", {"type": "object"})
+    elif kind == "json_schema" and isinstance(fmt.get("json_schema"), dict):
+        schema = fmt["json_schema"].get("schema", {"type": "object"})
+    else:
+        raise InvalidRequestError(f"'response_format' {json.dumps(fmt)[:120]} must be {{\"type\": \"text\"}}, "
+                                  f"{{\"type\": \"json_object\"}} or {{\"type\": \"json_schema\", "
+                                  f"\"json_schema\": {{\"name\": ..., \"schema\": {{...}}}}}}")
+    if not isinstance(schema, dict):
+        raise InvalidRequestError(f"'response_format' schema must be a JSON schema object, got "
+                                  f"{json.dumps(schema)[:80]}")
+    return {"json_schema": schema}
 
 
 def _samplers(body: dict[str, Any]) -> tuple[str, ...]:
@@ -367,18 +474,15 @@ def pick_fields(result: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """OpenAI's messages for the template: text content, an assistant's tool_calls, a tool's result."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise InvalidRequestError("'messages' must be a non-empty list of {role, content} objects")
     out = []
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
-            raise InvalidRequestError(f"messages[{i}] needs a role of system, user or assistant"
-                                      + (f" ({_NEXT}, so role 'tool' is refused)" if isinstance(m, dict)
-                                         and m.get("role") == "tool" else ""))
-        if m.get("tool_calls"):
-            raise InvalidRequestError(f"messages[{i}].tool_calls is not supported: {_NEXT}")
+        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer", "tool"):
+            raise InvalidRequestError(f"messages[{i}] needs a role of system, user, assistant or tool")
         content = m.get("content", "")
         if content is None:
             content = ""
@@ -390,7 +494,19 @@ def messages(body: dict[str, Any]) -> list[dict[str, str]]:
             content = "".join(p.get("text", "") for p in content)
         if not isinstance(content, str):
             raise InvalidRequestError(f"messages[{i}].content must be a string or a list of text parts")
-        out.append({"role": "system" if m["role"] == "developer" else m["role"], "content": content})
+        msg: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"], "content": content}
+        if m.get("tool_calls"):
+            calls = m["tool_calls"]
+            if m["role"] != "assistant" or not isinstance(calls, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("function"), dict)
+                    and isinstance(c["function"].get("name"), str) for c in calls):
+                raise InvalidRequestError(f"messages[{i}].tool_calls must be an assistant's list of {{\"type\": "
+                                          f"\"function\", \"function\": {{\"name\", \"arguments\"}}}}")
+            msg = tools.for_template({**msg, "tool_calls": calls})
+        for key in ("tool_call_id", "name"):
+            if isinstance(m.get(key), str):
+                msg[key] = m[key]
+        out.append(msg)
     return out
 
 

@@ -160,6 +160,16 @@ def cycle(target: Target, proposer: Proposer | None, committed: list[int], k: in
             proposer.accept(n_accepted, seconds)
 
 
+def _pick(row: np.ndarray, history: Sequence[int], sc: SamplingConfig, rng: np.random.Generator,
+          rules: Rules | None) -> int:
+    """The token after `history` from one row (the prefill's last), committed to the rules' grammar."""
+    if rules is None:
+        return sampling.sample(row, sc, rng)
+    token = rules.token(row, history, rng)
+    rules.accept(token)
+    return token
+
+
 def steps(target: Target, proposer: Proposer | None, prompt: list[int], config: GenerationConfig, stats: Stats,
           cancel: threading.Event, k_max: int, user_k: int | None = None, reuse: bool = True,
           clock: Clock = time.perf_counter, rules: Rules | None = None) -> Iterator[Step]:
@@ -182,13 +192,8 @@ def steps(target: Target, proposer: Proposer | None, prompt: list[int], config: 
         yield Step([], [], "length")
         return
     try:
-        row = logits[-1]
-        if rules is None:
-            first = sampling.sample(row, sc, rng)
-        else:
-            first = rules.token(row, prompt, rng)
-            rules.accept(first)
-        probs = None if n_probs is None else [sampling.logprob(row, first, n_probs)]
+        first = _pick(logits[-1], prompt, sc, rng, rules)
+        probs = None if n_probs is None else [sampling.logprob(logits[-1], first, n_probs)]
         if target.is_eog(first):
             yield Step([], [], "stop")
             return

@@ -154,7 +154,11 @@ def lockstep(engines: dict, tokens: list[int], config: GenerationConfig) -> dict
     (other tenants, frequency) falls on all of them at the same positions of the answer
     instead of on whichever whole run it hit. Returns {key: (stats, decode seconds, output tokens)}.
     """
-    streams = {key: e.stream(tokens, config) for key, e in engines.items()}
+    return lockstep_streams({key: e.stream(tokens, config) for key, e in engines.items()})
+
+
+def lockstep_streams(streams: dict) -> dict:
+    """`lockstep` over any Engine.stream iterators (e.g. one engine's slots under different configs)."""
     done, seconds = {}, dict.fromkeys(streams, 0.0)
     outputs: dict = {key: [] for key in streams}
     for key, stream in streams.items():
@@ -167,7 +171,7 @@ def lockstep(engines: dict, tokens: list[int], config: GenerationConfig) -> dict
         outputs[key] += chunk.tokens
         if chunk.stats is not None:
             done[key] = (chunk.stats, seconds[key], outputs[key])
-    return {key: done[key] for key in engines}
+    return {key: done[key] for key in streams}
 
 
 def run_llama_cpp(tool: Path, model: Path, prompt: str, spec: str, n: int, threads: int):

@@ -109,8 +109,9 @@ def test_continue_autocomplete_and_chat_with_max_tokens_4096(server):
 
 def test_openai_refuses_what_it_does_not_honour_by_name(server):
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-    for extra, name in [({"logprobs": True}, "logprobs"), ({"frequency_penalty": 0.7}, "frequency_penalty"),
-                        ({"response_format": {"type": "json_object"}}, "response_format")]:
+    for extra, name in [({"n": 2}, "n"), ({"top_logprobs": 2}, "top_logprobs"),
+                        ({"functions": [{"name": "f", "parameters": {"type": "object"}}]}, "functions"),
+                        ({"response_format": {"type": "xml"}}, "response_format")]:
         with pytest.raises(openai.BadRequestError, match=f"'{name}'"):
             c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=4, **extra)
 

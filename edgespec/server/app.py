@@ -308,7 +308,7 @@ class _Service:
         eng = self.engine()
         req = _generation(body, schemas.OPENAI_CHAT, eng, OPENAI_CHAT_MAX_TOKENS, OPENAI_TEMPERATURE)
         plan = None
-        if not schemas._empty(body.get("tools")):
+        if body.get("tools"):
             plan = tools.choose(tools.check_tools(body["tools"], lambda p, what: json_schema_gbnf(p, what)),
                                 body.get("tool_choice"), schemas.flag(body, "parallel_tool_calls", True),
                                 json_schema_gbnf)

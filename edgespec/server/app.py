@@ -686,9 +686,11 @@ def _with_tools(req: schemas.Request, plan: tools.ToolPlan, eng: Engine) -> sche
                                          "their own grammar; send one or the other")
     if plan.forbid_open:
         tag = eng.target.tokenize(tools.OPEN, add_special=False, parse_special=True)
-        bias = tuple((t, -math.inf) for t in tag[:1]) if len(tag) == 1 else ()
-        config = dataclasses.replace(c, sampling=dataclasses.replace(c.sampling, logit_bias=c.sampling.logit_bias
-                                                                      + bias))
+        if len(tag) != 1:  # a bias can forbid one token, not a sequence
+            raise errors.InvalidRequestError(f"'tool_choice' \"none\" needs {tools.OPEN} to be one token of the "
+                                             f"model's vocabulary; it is {len(tag)} here: leave tools out instead")
+        config = dataclasses.replace(c, sampling=dataclasses.replace(
+            c.sampling, logit_bias=c.sampling.logit_bias + ((tag[0], -math.inf),)))
     else:
         config = dataclasses.replace(c, grammar=plan.gbnf, grammar_trigger=tools.OPEN if plan.lazy else None)
     return dataclasses.replace(req, config=config)

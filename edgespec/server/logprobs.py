@@ -14,14 +14,16 @@ def _text(data: bytes) -> str:
     return data.decode("utf-8", "replace")
 
 
+def _entry(piece: Piece, token: int, logprob: float) -> dict[str, Any]:
+    data = piece(token)
+    return {"token": _text(data), "logprob": logprob, "bytes": list(data)}
+
+
 def chat(lps: Sequence[TokenLogprob], piece: Piece) -> dict[str, Any]:
     """choices[].logprobs of /v1/chat/completions (a stream's chunk carries its own tokens)."""
-    def entry(token: int, logprob: float) -> dict[str, Any]:
-        data = piece(token)
-        return {"token": _text(data), "logprob": logprob, "bytes": list(data)}
-
-    return {"content": [entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, p) for t, p in lp.top]}
-                        for lp in lps], "refusal": None}
+    return {"content": [_entry(piece, lp.token, lp.logprob)
+                        | {"top_logprobs": [_entry(piece, t, p) for t, p in lp.top]} for lp in lps],
+            "refusal": None}
 
 
 def completions(lps: Sequence[TokenLogprob], piece: Piece, offset: int = 0) -> dict[str, Any]:
@@ -37,9 +39,7 @@ def completions(lps: Sequence[TokenLogprob], piece: Piece, offset: int = 0) -> d
 
 
 def llama(lps: Sequence[TokenLogprob], piece: Piece) -> list[dict[str, Any]]:
-    """llama.cpp's completion_probabilities (its default, probabilities before the samplers)."""
-    def entry(token: int, logprob: float) -> dict[str, Any]:
-        data = piece(token)
-        return {"id": token, "token": _text(data), "logprob": logprob, "bytes": list(data)}
-
-    return [entry(lp.token, lp.logprob) | {"top_logprobs": [entry(t, p) for t, p in lp.top]} for lp in lps]
+    """llama.cpp's completion_probabilities (its default, probabilities before the samplers): chat's entries
+    with the token id."""
+    return [{"id": lp.token} | _entry(piece, lp.token, lp.logprob)
+            | {"top_logprobs": [{"id": t} | _entry(piece, t, p) for t, p in lp.top]} for lp in lps]

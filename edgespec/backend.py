@@ -115,6 +115,48 @@ def supports_gpu_offload() -> bool:
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
+@dataclass(frozen=True)
+class Device:
+    """A device llama.cpp's backends found: "CPU", "CUDA0", "Metal", "Vulkan0", ..."""
+
+    name: str
+    description: str  # "NVIDIA GeForce RTX 4090", "Apple M2 Pro"
+    kind: str  # "cpu", "gpu", "igpu" (shares host memory), "accel"
+    free_bytes: int
+    total_bytes: int
+
+
+_DEVICE_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
+
+
+def devices() -> list[Device]:
+    """Every device of the llama.cpp build, with its free memory, through ggml's device registry."""
+    from llama_cpp._ctypes_extensions import load_shared_library
+
+    base = Path(llama_cpp.__file__).parent / "lib"
+    try:
+        reg, dev = load_shared_library("ggml", base), load_shared_library("ggml-base", base)
+    except (OSError, RuntimeError, FileNotFoundError):  # a build laid out otherwise: report none rather than fail
+        return []
+    reg.ggml_backend_dev_count.restype = ctypes.c_size_t
+    reg.ggml_backend_dev_get.restype, reg.ggml_backend_dev_get.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    for name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
+        getattr(dev, name).restype, getattr(dev, name).argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    dev.ggml_backend_dev_type.restype, dev.ggml_backend_dev_type.argtypes = ctypes.c_int, [ctypes.c_void_p]
+    size_p = ctypes.POINTER(ctypes.c_size_t)
+    dev.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, size_p, size_p]
+    llama_cpp.llama_backend_init()  # registers the backends; idempotent
+    out = []
+    for i in range(reg.ggml_backend_dev_count()):
+        d = reg.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        dev.ggml_backend_dev_memory(d, ctypes.byref(free), ctypes.byref(total))
+        out.append(Device(dev.ggml_backend_dev_name(d).decode(errors="replace"),
+                          dev.ggml_backend_dev_description(d).decode(errors="replace"),
+                          _DEVICE_KINDS.get(dev.ggml_backend_dev_type(d), "other"), free.value, total.value))
+    return out
+
+
 class Model:
     """A loaded GGUF and its one-sequence KV cache."""
 

@@ -94,6 +94,11 @@ _engine_options = _options(
     click.option("-k", "--k", "k", type=int, default=None,
                  help=f"Most tokens proposed per cycle [default: the memory plan's Kmax for auto, {DEFAULT_K} otherwise]."),
     click.option("--memory-budget", default=None, help="Memory the models may use, e.g. 6GiB [default: detected]."),
+    *(_layer_options := (
+        click.option("-ngl", "--gpu-layers", "gpu_layers", type=click.IntRange(min=0), default=None,
+                     help="Target layers on the GPU (layers + 1 includes the output layer) [default: the plan's]."),
+        click.option("-ngld", "--draft-gpu-layers", "draft_gpu_layers", type=click.IntRange(min=0), default=None,
+                     help="Draft layers on the GPU; giving it keeps the draft [default: the plan's]."))),
     click.option("--threads", type=int, default=None, help="CPU threads [default: physical cores]."),
     click.option("--ctx", "n_ctx", type=int, default=None,
                  help=f"Context size in tokens [default: up to {DEFAULT_N_CTX}, as the memory plan allows]."),
@@ -194,8 +199,10 @@ def _engine_config(o: dict[str, Any], mmap: bool = True, n_seq: int = 1) -> Engi
     return EngineConfig(o["model"], o["draft"], o["proposer"], o["k"],
                         LoadConfig(n_ctx=o["n_ctx"], n_threads=default_threads() if o["threads"] is None
                                    else o["threads"], flash_attn=o["flash_attn"],
-                                   mmap=mmap if o["mmap"] is None else o["mmap"], n_seq=n_seq),
-                        parse_size(o["memory_budget"]) if o["memory_budget"] else None, o["source"])
+                                   mmap=mmap if o["mmap"] is None else o["mmap"], n_seq=n_seq,
+                                   n_gpu_layers=-1 if o["gpu_layers"] is None else o["gpu_layers"]),
+                        parse_size(o["memory_budget"]) if o["memory_budget"] else None, o["source"],
+                        o["draft_gpu_layers"])
 
 
 def _open_engine(o: dict[str, Any], config: EngineConfig | None = None):
@@ -407,32 +414,47 @@ def serve(host: str, port: int, api_key: str | None, cors_origins: tuple[str, ..
 @click.option("-k", "--k", "k", type=int, default=None,
               help=f"Most tokens proposed per cycle; the plan may lower it [default: {MAX_K}].")
 @click.option("--memory-budget", default=None, help="Memory the models may use, e.g. 6GiB [default: detected].")
+@_options(*_layer_options)
+@click.option("--threads", type=int, default=None, help="CPU threads [default: physical cores].")
 @click.option("--json", "as_json", is_flag=True)
 @_source_option
 @_errors
 def plan_cmd(model: str, draft: str | None, n_ctx: int | None, k: int | None, memory_budget: str | None,
-             as_json: bool, source: str | None) -> None:
-    """Show how target and draft fit this machine's memory: context, draft, layers, Kmax."""
+             gpu_layers: int | None, draft_gpu_layers: int | None, threads: int | None, as_json: bool,
+             source: str | None) -> None:
+    """Show every layout of target and draft that fits this machine, its predicted speed, and the one chosen."""
     from edgespec.engine import plan_memory
     from edgespec.models import resolve
 
-    config = EngineConfig(model, draft, k=k, load=LoadConfig(n_ctx=n_ctx), source=source,
+    load = LoadConfig(n_ctx=n_ctx, n_gpu_layers=-1 if gpu_layers is None else gpu_layers,
+                      n_threads=default_threads() if threads is None else threads)
+    config = EngineConfig(model, draft, k=k, load=load, source=source, draft_gpu_layers=draft_gpu_layers,
                           memory_budget=parse_size(memory_budget) if memory_budget else None)
     progress = _progress(not as_json)
     p = plan_memory(resolve(model, source=source, progress=progress),
                     resolve(draft, source=source, progress=progress) if draft else None, config.load, config.k_max,
-                    config.memory_budget)
-    budget = p.budget
+                    config.memory_budget, draft_gpu_layers)
     if as_json:
         click.echo(json.dumps(p.to_dict(), indent=2))
         return
-    gib = 1 << 30
-    pool = budget.gpu_bytes or budget.ram_bytes
-    click.echo(f"device {budget.device}, budget {pool / gib:.2f} GiB ({budget.source})")
-    click.echo(f"{'ITEM':<58}{'GiB':>8}")
+    _echo_plan(p)
+
+
+def _echo_plan(p: Any) -> None:
+    gib, budget = 1 << 30, p.budget
+    where = f"{budget.device} ({budget.gpu_name})" if budget.gpu_name else budget.device
+    click.echo(f"device {where}, budget {(budget.gpu_bytes or budget.ram_bytes) / gib:.2f} GiB ({budget.source})"
+               + (f", RAM {budget.ram_bytes / gib:.2f} GiB" if budget.gpu_bytes else ""))
+    click.echo(f"{'LAYOUT':<64}{'GPU GiB':>8}{'RAM GiB':>8}{'tok/s':>7}{'K':>4}  PRICED FROM")
+    for o in p.options:
+        mark = "*" if o is p.chosen else " "
+        click.echo(f"{mark}{o.description:<63}{o.gpu_bytes / gib:>8.2f}{o.host_bytes / gib:>8.2f}"
+                   f"{o.tokens_per_second:>7.0f}{o.k:>4}  {'calibration' if o.measured else 'model'}")
+    click.echo(f"chosen (*): {p.reason}")
+    click.echo(f"{'ITEM':<64}{'GiB':>8}")
     for item, b in p.rows:
-        click.echo(f"{item:<58}{b / gib:>8.3f}")
-    click.echo(f"{'total':<58}{p.total_bytes / gib:>8.3f}")
+        click.echo(f"{item:<64}{b / gib:>8.3f}")
+    click.echo(f"{'total':<64}{p.total_bytes / gib:>8.3f}")
     click.echo(f"context {p.n_ctx} tokens, Kmax {p.k_max}, draft {'loaded' if p.load_draft else 'not loaded'}, "
                f"GPU layers target {p.target_gpu_layers} draft {p.draft_gpu_layers}")
     for note in p.notes:

@@ -58,7 +58,7 @@ class LoadConfig:
     n_ctx: int | None = None  # None: the memory plan picks it (up to DEFAULT_N_CTX)
     n_threads: int = field(default_factory=default_threads)
     n_batch: int = DEFAULT_N_BATCH
-    n_gpu_layers: int = -1  # all layers on the GPU when llama.cpp was built with one
+    n_gpu_layers: int = -1  # layers on the GPU (llama.cpp's -ngl; layers + 1 includes the output); -1: the plan's
     # KV sequences, each of n_ctx: generations that can be under way at once, each keeping its own prefix
     # (the server's slots: a chat answer and an editor's completions).
     n_seq: int = 1
@@ -185,6 +185,8 @@ class EngineConfig:
     load: LoadConfig = field(default_factory=LoadConfig)
     memory_budget: int | None = None  # bytes the models may use; None: detected
     source: str | None = None  # where catalog models come from (models.store.SOURCES); None: auto
+    # The draft's layers on the GPU (llama.cpp's -ngld); None: the plan's. The target's: load.n_gpu_layers.
+    draft_gpu_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:
@@ -193,6 +195,9 @@ class EngineConfig:
             raise InvalidRequestError("proposer 'draft' needs a draft model; pass --draft NAME|PATH")
         if self.k is not None and not 0 <= self.k <= MAX_K:
             raise InvalidRequestError(f"k {self.k} must be in 0..{MAX_K} (0 turns speculation off)")
+        if self.draft_gpu_layers is not None and self.draft_gpu_layers < 0:
+            raise InvalidRequestError(f"draft GPU layers {self.draft_gpu_layers} must be >= 0; leave "
+                                      f"--draft-gpu-layers out to let the plan choose")
 
     @property
     def k_max(self) -> int:

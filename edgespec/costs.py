@@ -14,7 +14,6 @@ import logging
 import os
 import platform
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -32,7 +31,7 @@ COST_DECAY = 0.8  # weight of the past per observed pass: costs follow the conte
 # Per pass of another size, a size's own scale keeps this weight against the next smaller size's, so
 # one dear pass (a deep context, a busy spell) does not keep the larger sizes untried for good.
 COST_STALE_DECAY = 0.98
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 
 
 class CostTracker:
@@ -117,39 +116,50 @@ class AcceptanceTracker:
 # -- calibration ------------------------------------------------------------------
 
 
-def calibrate(target, draft, k_max: int, cache_dir: Path) -> Costs:
-    """Measure t(B) of the target and the draft's per-token cost; cached in `cache_dir` per file, machine
-    and threads.
+def calibrate(target, draft, k_max: int, cache_dir: Path, device: str = "cpu") -> Costs:
+    """Measure t(B) of the target and the draft's per-token cost, each cached in `cache_dir` per model file,
+    layers on the GPU, threads, `device` and machine: so the planner can price a layout measured before.
 
     `target` and `draft` (or None) are backend.Model objects. The measurement decodes at
     the end of whatever the caches hold and trims back, so state is unchanged.
     """
     batches = tuple(b for b in CALIBRATION_BATCHES if b <= k_max + 1)
-    key = _cache_key(target, draft, batches)
-    path = cache_dir / f"{key}.json"
-    try:
-        data = json.loads(path.read_text())
-        if data.get("version") == CACHE_VERSION:
-            costs = Costs(tuple(data["batches"]), tuple(data["target_seconds"]), data["draft_seconds_per_token"])
-            log.info("costs from cache %s", path)
-            return costs
-    except (OSError, ValueError, KeyError):
-        pass
     t0 = time.perf_counter()
-    target_seconds = _time_batches(target, batches)
-    draft_cost = _time_batches(draft, (1,))[0] if draft is not None else None
-    costs = Costs(batches, target_seconds, draft_cost)
-    log.info("calibrated in %.2fs: t(B)/t(1) = %s, draft/target per token = %s", time.perf_counter() - t0,
+    target_seconds = _measured_or_timed(target, batches, cache_dir, device)
+    draft_cost = _measured_or_timed(draft, (1,), cache_dir, device)[0] if draft is not None else None
+    log.info("costs in %.2fs: t(B)/t(1) = %s, draft/target per token = %s", time.perf_counter() - t0,
              [round(t / target_seconds[0], 2) for t in target_seconds],
              round(draft_cost / target_seconds[0], 2) if draft_cost else None)
+    return Costs(batches, target_seconds, draft_cost)
+
+
+def measured(cache_dir: Path, path: Path, gpu_layers: int, load, device: str) -> tuple[float, ...] | None:
+    """The t(B) cached for this model file laid out so (`load`: a LoadConfig), if it was ever calibrated."""
+    try:
+        data = json.loads((cache_dir / f"{_cache_key(path, gpu_layers, load, device)}.json").read_text())
+        return tuple(data["seconds"]) if data.get("version") == CACHE_VERSION and data["seconds"] else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _measured_or_timed(model, batches: tuple[int, ...], cache_dir: Path, device: str) -> tuple[float, ...]:
+    path = cache_dir / f"{_cache_key(model.path, model.cfg.n_gpu_layers, model.cfg, device)}.json"
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") == CACHE_VERSION and tuple(data["batches"]) == batches:
+            log.info("costs of %s from cache %s", model.path.name, path)
+            return tuple(data["seconds"])
+    except (OSError, ValueError, KeyError):
+        pass
+    seconds = _time_batches(model, batches)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"version": CACHE_VERSION, **asdict(costs)}))
+        tmp.write_text(json.dumps({"version": CACHE_VERSION, "batches": batches, "seconds": seconds}))
         os.replace(tmp, path)
     except OSError as e:
         log.warning("could not cache calibration at %s: %s", path, e)
-    return costs
+    return seconds
 
 
 def _time_batches(model, batches: Sequence[int]) -> tuple[float, ...]:
@@ -181,14 +191,11 @@ def _time_batches(model, batches: Sequence[int]) -> tuple[float, ...]:
     return tuple(out)
 
 
-def _cache_key(target, draft, batches) -> str:
-    parts = [platform.machine(), platform.processor(), str(os.cpu_count()), str(target.cfg.n_threads), str(batches)]
-    for m in (target, draft):
-        if m is not None:
-            st = m.path.stat()
-            parts += [str(m.path.resolve()), str(st.st_size), str(int(st.st_mtime)), str(m.cfg.n_gpu_layers),
-                      m.cfg.flash_attn]
-    parts.append(cpu_model())
+def _cache_key(path: Path, gpu_layers: int, load, device: str) -> str:
+    st = path.stat() if path.exists() else None
+    parts = [platform.machine(), str(os.cpu_count()), cpu_model(), device, str(path.resolve()),
+             str(st.st_size if st else 0), str(int(st.st_mtime) if st else 0), str(gpu_layers), str(load.n_threads),
+             load.flash_attn]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 

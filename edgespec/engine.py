@@ -15,12 +15,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Generator, Iterator, Sequence
 
-from edgespec import budget, chat, fim, loop
-from edgespec.backend import Grammar, KVSequence, Model, ModelFacts, read_facts, supports_gpu_offload
+from edgespec import budget, chat, costs, fim, loop
+from edgespec.backend import Grammar, KVSequence, Model, ModelFacts, devices, read_facts
 from edgespec.budget import ModelMemory, Plan
 from edgespec.config import DEFAULT_MODEL, EngineConfig, GenerationConfig, LoadConfig
 from edgespec.costs import CostTracker, calibrate
-from edgespec.errors import ContextOverflowError, InvalidRequestError, OutOfMemoryError, UnsupportedModelError
+from edgespec.errors import ContextOverflowError, EdgespecError, InvalidRequestError, OutOfMemoryError, UnsupportedModelError
 from edgespec.loop import FinishReason, Stats
 from edgespec.models import ProgressCallback, resolve
 from edgespec.models.store import calibration_dir
@@ -69,13 +69,29 @@ def memory_of(f: ModelFacts) -> ModelMemory:
 
 
 def plan_memory(target: Path, draft: Path | None, load: LoadConfig, k_max: int,
-                memory_budget: int | None = None) -> Plan:
-    """How `target` (and `draft`) fit the memory this machine has, or `memory_budget` bytes of it."""
+                memory_budget: int | None = None, draft_gpu_layers: int | None = None) -> Plan:
+    """How `target` (and `draft`) are laid out in the memory this machine has, or `memory_budget` bytes of it.
+
+    Layouts are priced from calibrations cached on this machine where there are some, else modelled;
+    `load.n_gpu_layers` (>= 0) and `draft_gpu_layers` fix the layers instead of letting the plan choose.
+    """
     facts = read_facts(target)
     draft_facts = read_facts(draft) if draft is not None else None
-    return budget.plan(memory_of(facts), memory_of(draft_facts) if draft_facts else None,
-                       budget.detect_budget(supports_gpu_offload(), memory_budget),
-                       n_ctx=load.n_ctx, k_max=k_max, n_ubatch=load.n_batch, n_seq=load.n_seq)
+    found = devices()
+    b = budget.detect_budget(found, memory_budget)
+    paths = {"target": target, "draft": draft}
+
+    def measured(which: str, layers: int) -> tuple[float, ...] | None:
+        path = paths[which]
+        return None if path is None else costs.measured(calibration_dir(), path, layers, load, b.gpu_name or "cpu")
+
+    p = budget.plan(memory_of(facts), memory_of(draft_facts) if draft_facts else None, b,
+                    n_ctx=load.n_ctx, k_max=k_max, n_ubatch=load.n_batch, n_seq=load.n_seq,
+                    target_gpu_layers=load.n_gpu_layers if load.n_gpu_layers >= 0 else None,
+                    draft_gpu_layers=draft_gpu_layers, measured=measured)
+    if (idle := budget.idle_gpu_note(found)) is not None:
+        p.notes.insert(0, idle)
+    return p
 
 
 class Engine:
@@ -104,7 +120,7 @@ class Engine:
         self.notes: list[str] = []  # decisions a person should hear about (dropped draft, smaller context)
         self.cost_tracker: CostTracker | None = None  # auto only: calibrated costs, corrected by each pass
         target_path, draft_path = self._resolve(progress)
-        self.target = Model(target_path, self.load_config)
+        self.target = self._load(target_path, self.load_config)
         try:
             if (custom is not None or self.config.proposer != "none") and not self.target.can_trim:
                 raise UnsupportedModelError(
@@ -128,25 +144,43 @@ class Engine:
             draft = None
         target_path = resolve(cfg.model, source=cfg.source, progress=progress)
         draft_path = resolve(draft, source=cfg.source, progress=progress) if draft is not None else None
-        self.plan = plan_memory(target_path, draft_path, cfg.load, cfg.k_max, cfg.memory_budget)
+        self.plan = plan_memory(target_path, draft_path, cfg.load, cfg.k_max, cfg.memory_budget,
+                                cfg.draft_gpu_layers)
         self.notes += self.plan.notes
         if draft_path is not None and not self.plan.load_draft:
             if cfg.proposer == "draft":
                 raise OutOfMemoryError(f"{self.plan.notes[-1]}; use --proposer auto or ngram, or a larger "
                                        f"--memory-budget")
             draft_path = None
-        gpu = cfg.load.n_gpu_layers if cfg.load.n_gpu_layers >= 0 else None
-        self.load_config = replace(cfg.load, n_ctx=self.plan.n_ctx,
-                                   n_gpu_layers=self.plan.target_gpu_layers if gpu is None else gpu)
-        self._draft_layers = self.plan.draft_gpu_layers if gpu is None else gpu
+        if self.plan.budget.gpu_bytes:
+            self.notes.append(f"layout on {self.plan.budget.gpu_name or self.plan.budget.device}: "
+                              f"{self.plan.chosen.description} ({self.plan.reason})")
+        self.load_config = replace(cfg.load, n_ctx=self.plan.n_ctx, n_gpu_layers=self.plan.target_gpu_layers)
+        self._draft_layers = self.plan.draft_gpu_layers
         return target_path, draft_path
+
+    def _load(self, path: Path, cfg: LoadConfig) -> Model:
+        """Load a model where the plan put it; a GPU that has lost the room since is an error with the numbers."""
+        try:
+            return Model(path, cfg)
+        except EdgespecError as e:
+            b = self.plan.budget
+            if not (cfg.n_gpu_layers and b.gpu_bytes):
+                raise
+            now = budget.detect_budget(devices()).gpu_bytes
+            planned = self.plan.chosen.gpu_bytes if self.plan.chosen else 0
+            raise OutOfMemoryError(
+                f"{path.name} did not load with {cfg.n_gpu_layers} layers on {b.gpu_name or b.device} ({e}): the "
+                f"plan counted on {planned / budget.GiB:.2f} GiB of its memory, {b.gpu_bytes / budget.GiB:.2f} GiB "
+                f"was free then and {now / budget.GiB:.2f} GiB is free now; close what took it, or pass "
+                f"--gpu-layers N with fewer layers (or --memory-budget)") from e
 
     def _make_proposers(self, draft_path: Path | None) -> list[Proposer | None]:
         """One proposer per slot (each on its own draft sequence), sharing the draft model and the costs."""
         name = self.config.proposer
         drafter = None
         if draft_path is not None:
-            draft_model = Model(draft_path, replace(self.load_config, n_gpu_layers=self._draft_layers))
+            draft_model = self._load(draft_path, replace(self.load_config, n_gpu_layers=self._draft_layers))
             try:
                 drafter = DraftProposer(draft_model, self.target, p_min=DRAFT_P_MIN if name == "auto" else 0.0)
             except BaseException:
@@ -165,7 +199,8 @@ class Engine:
     def _calibrate(self, drafter: DraftProposer | None) -> DraftProposer | None:
         """Calibrate this machine's costs; unload a draft that cannot pay even at DRAFT_ACCEPT_CEILING."""
         k_max = self.plan.k_max
-        c = calibrate(self.target, drafter.model if drafter else None, k_max, calibration_dir())
+        c = calibrate(self.target, drafter.model if drafter else None, k_max, calibration_dir(),
+                      self.plan.budget.gpu_name or "cpu")
         self.cost_tracker = CostTracker(c)
         if drafter is not None and not draft_can_pay(c, k_max):
             self.notes.append(

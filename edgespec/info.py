@@ -12,7 +12,7 @@ def machine_info() -> dict[str, Any]:
     import psutil
 
     from edgespec import backend
-    from edgespec.budget import GiB
+    from edgespec.budget import GiB, idle_gpu_note
     from edgespec.config import MAX_K, LoadConfig
     from edgespec.engine import plan_memory
     from edgespec.errors import EdgespecError
@@ -20,11 +20,14 @@ def machine_info() -> dict[str, Any]:
 
     vm = psutil.virtual_memory()
     features = backend.system_info()
+    found = backend.devices()
     data: dict[str, Any] = {
         "machine": f"{platform.system()} {platform.machine()}, {psutil.cpu_count(logical=False)} cores "
                    f"({psutil.cpu_count()} threads)",
         "memory": f"{vm.total / GiB:.1f} GiB total, {vm.available / GiB:.1f} GiB available",
         "llama.cpp backends": ", ".join(_backends(features)) + (" (GPU offload)" if backend.supports_gpu_offload() else ""),
+        "devices": [f"{d.name}: {d.description} ({d.kind}), {d.free_bytes / GiB:.1f} GiB free of "
+                    f"{d.total_bytes / GiB:.1f} GiB" for d in found] or ["none reported"],
         "llama.cpp features": features.strip(),
         "versions": [f"edgespec {_version('edgespec')}", f"llama-cpp-python {backend.library_version()}",
                      f"numpy {_version('numpy')}", f"huggingface-hub {_version('huggingface-hub')}",
@@ -32,6 +35,8 @@ def machine_info() -> dict[str, Any]:
         "model cache": str(cache_dir()),
         "cached models": [f"{n} ({p})" for n, m in MODELS.items() if (p := cached_path(m)) is not None] or ["none"],
     }
+    if (idle := idle_gpu_note(found)) is not None:
+        data["GPU"] = idle
     target, draft = MODELS[DEFAULT_MODEL], MODELS[PAIRS[DEFAULT_MODEL][0]]
     tp, dp = cached_path(target), cached_path(draft)
     if tp is None:
@@ -41,9 +46,10 @@ def machine_info() -> dict[str, Any]:
         p = plan_memory(tp, dp, LoadConfig(), MAX_K)
         budget = p.budget
         data["memory plan"] = [f"{DEFAULT_MODEL}" + (f" + {draft.name}" if dp else "") +
-                               f" on {budget.device}: context {p.n_ctx}, Kmax {p.k_max}, draft "
-                               f"{'loaded' if p.load_draft else 'not loaded'}, {p.total_bytes / GiB:.2f} GiB of "
-                               f"{(budget.gpu_bytes or budget.ram_bytes) / GiB:.2f} GiB", *p.notes]
+                               f" on {budget.device}: {p.chosen.description if p.chosen else ''}, Kmax {p.k_max}, "
+                               f"draft {'loaded' if p.load_draft else 'not loaded'}, {p.total_bytes / GiB:.2f} GiB of "
+                               f"{(budget.gpu_bytes or budget.ram_bytes) / GiB:.2f} GiB ({p.reason})",
+                               *(n for n in p.notes if n != data.get("GPU"))]
     except EdgespecError as e:
         data["memory plan"] = str(e)
     return data

@@ -21,6 +21,9 @@ DRAFT_P_MIN = 0.5  # a draft token the draft itself rates below this is not wort
 DRAFT_ACCEPT_CEILING = 0.9
 # ... and it must beat plain decoding by this much there: calibration is one short measurement.
 DRAFT_MIN_GAIN = 1.1
+# Acceptance per drafted token the planner expects of a same-family draft when it prices layouts: the mean
+# over the recorded traces of Qwen2.5-Coder-0.5B drafting for 1.5B (docs/gpu.md).
+DRAFT_ACCEPT_EXPECTED = 0.7
 
 
 @dataclass(frozen=True)

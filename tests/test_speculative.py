@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from edgespec import Engine, GenerationConfig, LoadConfig
+from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig
 from edgespec.cli import cli
 from edgespec.errors import IncompatibleDraftError
 from edgespec.proposers import Proposal
@@ -298,7 +298,8 @@ def test_json_reports_speculation_stats(qwen_path, qwen_draft_path):
 def test_auto_is_lossless_and_decides_about_the_draft_from_its_calibration(qwen_path, qwen_draft_path, capsys):
     from edgespec.policy import draft_can_pay
 
-    with Engine(qwen_path, draft=qwen_draft_path, load=LOAD) as e:
+    # The draft's layers given (0: on the CPU) keep it through the plan, so that calibration decides about it.
+    with Engine(EngineConfig(str(qwen_path), str(qwen_draft_path), load=LOAD, draft_gpu_layers=0)) as e:
         assert e.proposer.name == "auto"
         kept = e.proposer.draft is not None
         assert kept == draft_can_pay(e.costs, e.plan.k_max)

@@ -171,11 +171,13 @@ def plan(
     draft_gpu_layers: int | None = None,
     measured: Measured = lambda which, layers: None,
     accept: float = DRAFT_ACCEPT_EXPECTED,
+    keep_draft: bool = False,
 ) -> Plan:
     """Choose the context size, whether the draft loads, where each model's layers go, and Kmax.
 
     Every layout that fits is priced (placement) at `accept` per drafted token and the fastest
-    taken; one with the draft must beat the best without it by DRAFT_MIN_GAIN. The layers are
+    taken; one with the draft must beat the best without it by DRAFT_MIN_GAIN (unless `keep_draft`, or the
+    draft's layers are given: then the draft loads wherever it fits). The layers are
     `target_gpu_layers` / `draft_gpu_layers` when given. A verify batch of Kmax+1 tokens is one
     llama_decode of at most `n_ubatch` tokens, with a logits row per token; Kmax shrinks before the
     target is refused. `n_seq`: KV sequences, each of the whole context.
@@ -197,7 +199,7 @@ def plan(
                                f"at {MIN_CTX} tokens; use fewer layers, or leave them out to let the plan choose")
     options = sorted((_price(lay, target, draft, mem, measured, accept, k_max) for lay in layouts),
                      key=lambda o: -o.tokens_per_second)
-    chosen, reason = _choose(options, draft, mem, notes, forced=draft_gpu_layers is not None)
+    chosen, reason = _choose(options, draft, mem, notes, forced=keep_draft or draft_gpu_layers is not None)
     lay = chosen.layout
     if lay.n_ctx < want_ctx:
         slots = f" ({n_seq} slots of it)" if n_seq > 1 else ""

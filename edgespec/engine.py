@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Generator, Iterator, Sequence
 
 from edgespec import budget, chat, costs, fim, loop
-from edgespec.backend import Grammar, KVSequence, Model, ModelFacts, devices, read_facts
+from edgespec.backend import Grammar, KVSequence, Model, ModelFacts, devices, open_facts, read_facts
 from edgespec.budget import ModelMemory, Plan
 from edgespec.config import DEFAULT_MODEL, EngineConfig, GenerationConfig, LoadConfig
 from edgespec.costs import CostTracker, calibrate
@@ -27,7 +27,7 @@ from edgespec.models.store import calibration_dir
 from edgespec.policy import DRAFT_ACCEPT_CEILING, DRAFT_P_MIN, Costs, draft_can_pay
 from edgespec.proposers import Proposer
 from edgespec.proposers.auto import AutoProposer
-from edgespec.proposers.draft import DraftProposer
+from edgespec.proposers.draft import DraftProposer, check_compatible
 from edgespec.proposers.ngram import NgramProposer
 from edgespec.rules import Rules
 from edgespec.sampling import TokenLogprob
@@ -69,7 +69,8 @@ def memory_of(f: ModelFacts) -> ModelMemory:
 
 
 def plan_memory(target: Path, draft: Path | None, load: LoadConfig, k_max: int,
-                memory_budget: int | None = None, draft_gpu_layers: int | None = None) -> Plan:
+                memory_budget: int | None = None, draft_gpu_layers: int | None = None,
+                keep_draft: bool = False) -> Plan:
     """How `target` (and `draft`) are laid out in the memory this machine has, or `memory_budget` bytes of it.
 
     Layouts are priced from calibrations cached on this machine where there are some, else modelled;
@@ -88,7 +89,7 @@ def plan_memory(target: Path, draft: Path | None, load: LoadConfig, k_max: int,
     p = budget.plan(memory_of(facts), memory_of(draft_facts) if draft_facts else None, b,
                     n_ctx=load.n_ctx, k_max=k_max, n_ubatch=load.n_batch, n_seq=load.n_seq,
                     target_gpu_layers=load.n_gpu_layers if load.n_gpu_layers >= 0 else None,
-                    draft_gpu_layers=draft_gpu_layers, measured=measured)
+                    draft_gpu_layers=draft_gpu_layers, measured=measured, keep_draft=keep_draft)
     if (idle := budget.idle_gpu_note(found)) is not None:
         p.notes.insert(0, idle)
     return p
@@ -126,6 +127,9 @@ class Engine:
                 raise UnsupportedModelError(
                     f"{self.target.path.name} has a recurrent cache that cannot be rolled back, so it cannot "
                     f"verify drafts; use --proposer none")
+            if self._dropped is not None:  # a draft the plan left out is still one the user named: check it
+                with open_facts(self._dropped) as unused:
+                    check_compatible(self.target, unused)
             proposers = [custom] if custom is not None else self._make_proposers(draft_path)
         except BaseException:
             self.target.close()
@@ -144,14 +148,15 @@ class Engine:
             draft = None
         target_path = resolve(cfg.model, source=cfg.source, progress=progress)
         draft_path = resolve(draft, source=cfg.source, progress=progress) if draft is not None else None
+        self._dropped: Path | None = None  # a draft the plan did not load
         self.plan = plan_memory(target_path, draft_path, cfg.load, cfg.k_max, cfg.memory_budget,
-                                cfg.draft_gpu_layers)
+                                cfg.draft_gpu_layers, keep_draft=cfg.proposer == "draft")
         self.notes += self.plan.notes
         if draft_path is not None and not self.plan.load_draft:
             if cfg.proposer == "draft":
                 raise OutOfMemoryError(f"{self.plan.notes[-1]}; use --proposer auto or ngram, or a larger "
                                        f"--memory-budget")
-            draft_path = None
+            self._dropped, draft_path = draft_path, None
         if self.plan.budget.gpu_bytes:
             self.notes.append(f"layout on {self.plan.budget.gpu_name or self.plan.budget.device}: "
                               f"{self.plan.chosen.description} ({self.plan.reason})")

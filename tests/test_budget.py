@@ -193,3 +193,17 @@ def test_each_slot_holds_a_whole_context():
     tight = Budget("cpu", int((fixed + 28_672 * 4096) / 0.9))  # room for one 4096-token context
     p = plan(QWEN_15B, None, tight, n_ctx=4096, n_seq=2)
     assert 2040 <= p.n_ctx <= 2048 and "(2 slots of it)" in p.notes[0]
+
+
+def test_the_budget_is_the_first_gpu_device_llama_cpp_reports():
+    from edgespec.budget import detect_budget
+
+    cpu = SimpleNamespace(name="CPU", description="AMD EPYC", kind="cpu", free_bytes=24 * GiB, total_bytes=24 * GiB)
+    cuda = SimpleNamespace(name="CUDA0", description="NVIDIA GeForce RTX 4060", kind="gpu", free_bytes=7 * GiB,
+                           total_bytes=8 * GiB)
+    b = detect_budget([cpu, cuda])
+    assert (b.device, b.gpu_bytes, b.gpu_name) == ("cuda", 7 * GiB, "NVIDIA GeForce RTX 4060")
+    assert "CUDA0 free memory" in b.source
+    assert detect_budget([cpu, cuda], override=4 * GiB).gpu_bytes == 4 * GiB
+    only_cpu = detect_budget([cpu], override=6 * GiB)
+    assert (only_cpu.device, only_cpu.gpu_bytes, only_cpu.ram_bytes) == ("cpu", 0, 6 * GiB)

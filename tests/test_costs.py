@@ -83,3 +83,20 @@ def test_cost_tracker_follows_the_draft():
     assert ct.costs.target_seconds == (0.10, 0.15)
     ct.observe(1, 0.12)  # load slows the draft as much as the target
     assert ct.costs.draft_seconds_per_token == pytest.approx(0.072)
+
+
+def test_an_untried_draft_position_is_expected_to_do_as_the_one_before():
+    # auto on a GPU-like curve: drafts of one token were accepted 9 times in 10. Longer drafts were never
+    # tried; with a flat prior of 0.5 at positions 1, 2, ... they would never look worth trying.
+    from edgespec.policy import Bets, Costs, choose_proposal
+    from edgespec.proposers.auto import AutoProposer
+    from edgespec.proposers.ngram import NgramProposer
+
+    costs = Costs((1, 2, 4, 8), (1.0, 1.119, 1.331, 2.146), 0.22)
+    auto = AutoProposer(NgramProposer(lambda t: False), None, CostTracker(costs))
+    for i in range(10):
+        auto.draft_accept.update(0, i != 3)
+    first = auto.draft_accept.get(0)
+    assert abs(auto.draft_accept.get(2) - first) < 1e-9 and first > 0.7
+    bets = Bets(draft=[auto.draft_accept.get(j) for j in range(7)])
+    assert choose_proposal(costs, bets, 7) == ("draft", 3)

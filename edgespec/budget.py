@@ -345,7 +345,9 @@ def _price(lay: Layout, target: ModelMemory, draft: ModelMemory | None, mem: _Me
 
 def _describe(lay: Layout, target: ModelMemory, draft: ModelMemory | None) -> str:
     def where(m: ModelMemory, layers: int) -> str:
-        return "on the CPU" if layers == 0 else "on the GPU" if layers >= m.units else f"{layers}/{m.units} layers on the GPU"
+        if layers == 0:
+            return "on the CPU"
+        return "on the GPU" if layers >= m.units else f"{layers}/{m.units} layers on the GPU"
 
     d = "no draft" if draft is None or lay.draft_gpu_layers is None else f"draft {where(draft, lay.draft_gpu_layers)}"
     return f"target {where(target, lay.target_gpu_layers)}, {d}, context {lay.n_ctx}"
@@ -356,7 +358,9 @@ def _choose(options: list[Option], draft: ModelMemory | None, mem: _Memory, note
     """The fastest option; one with the draft only if it beats the best without by DRAFT_MIN_GAIN (or is forced)."""
     plain = next((o for o in options if o.layout.draft_gpu_layers is None), None)
     drafted = next((o for o in options if o.layout.draft_gpu_layers is not None), None)
-    if drafted is not None and (forced or plain is None or drafted.tokens_per_second >= DRAFT_MIN_GAIN * plain.tokens_per_second):
+    pays = drafted is not None and (plain is None or
+                                    drafted.tokens_per_second >= DRAFT_MIN_GAIN * plain.tokens_per_second)
+    if drafted is not None and (forced or pays):
         chosen = drafted
         against = f", against {plain.tokens_per_second:.0f} without the draft" if plain else ""
         reason = f"predicted {chosen.tokens_per_second:.0f} tok/s with the draft at K={chosen.k}{against}"
@@ -429,7 +433,8 @@ def idle_gpu_note(devices: Sequence) -> str | None:
         return None
     reinstall = 'pip install --force-reinstall --no-cache-dir llama-cpp-python'
     if sys.platform == "darwin" and platform.machine() == "arm64":
-        return f'this Mac\'s GPU is unused: llama-cpp-python was built without Metal; CMAKE_ARGS="-DGGML_METAL=on" {reinstall}'
+        return (f'this Mac\'s GPU is unused: llama-cpp-python was built without Metal; '
+                f'CMAKE_ARGS="-DGGML_METAL=on" {reinstall}')
     name = _nvidia_gpu()
     if name:
         return f'{name} is unused: llama-cpp-python was built for the CPU only; CMAKE_ARGS="-DGGML_CUDA=on" {reinstall}'

@@ -20,7 +20,8 @@ from edgespec.backend import Grammar, KVSequence, Model, ModelFacts, devices, op
 from edgespec.budget import ModelMemory, Plan
 from edgespec.config import DEFAULT_MODEL, EngineConfig, GenerationConfig, LoadConfig
 from edgespec.costs import CostTracker, calibrate
-from edgespec.errors import ContextOverflowError, EdgespecError, InvalidRequestError, OutOfMemoryError, UnsupportedModelError
+from edgespec.errors import (ContextOverflowError, EdgespecError, InvalidRequestError, OutOfMemoryError,
+                             UnsupportedModelError)
 from edgespec.loop import FinishReason, Stats
 from edgespec.models import ProgressCallback, resolve
 from edgespec.models.store import calibration_dir

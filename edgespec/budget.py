@@ -92,8 +92,7 @@ class Budget:
     ram_bytes: int  # available host memory
     gpu_bytes: int = 0  # free VRAM, or Metal's working-set limit; 0 without a GPU
     source: str = "detected"
-    gpu_name: str = ""
-    gpu_bandwidth: float = 0.0  # bytes/s, rated; 0: placement's guess for the device kind
+    gpu_name: str = ""  # as llama.cpp describes the device: placement reads its rated bandwidth from it
 
     @property
     def unified(self) -> bool:
@@ -153,7 +152,7 @@ class Plan:
         }
 
 
-# A measured t(B) at placement.BATCHES for ("target" | "draft", GPU layers), when one is cached; else None.
+# A measured t(B) at CALIBRATION_BATCHES for ("target" | "draft", GPU layers), when one is cached; else None.
 Measured = Callable[[str, int], "tuple[float, ...] | None"]
 
 
@@ -327,7 +326,7 @@ def _layouts(target: ModelMemory, draft: ModelMemory | None, mem: _Memory, want:
 def _price(lay: Layout, target: ModelMemory, draft: ModelMemory | None, mem: _Memory, measured: Measured,
            accept: float, k_max: int) -> Option:
     b = mem.budget
-    bandwidth = b.gpu_bandwidth or placement.gpu_bandwidth(b.device, b.gpu_name)
+    bandwidth = placement.gpu_bandwidth(b.device, b.gpu_name)
     placed = [(target, lay.target_gpu_layers)]
     t = measured("target", lay.target_gpu_layers)
     known = t is not None

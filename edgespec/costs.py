@@ -102,6 +102,17 @@ class AcceptanceTracker:
         accepted, trials = self._counts.get(key, (0.0, 0.0))
         return (accepted + self.prior(key) * PRIOR_WEIGHT) / (trials + PRIOR_WEIGHT)
 
+    def chain(self, n: int) -> list[float]:
+        """Estimates for keys 0..n-1 where a key not tried yet is expected to do as the key before it (key 0:
+        the prior). For draft positions: with a flat prior, longer drafts would look worse than they are and
+        never be tried (docs/gpu.md). One pass, since auto asks for up to MAX_K of them every cycle."""
+        out: list[float] = []
+        for key in range(n):
+            accepted, trials = self._counts.get(key, (0.0, 0.0))
+            prior = out[-1] if out else self.prior(key)
+            out.append((accepted + prior * PRIOR_WEIGHT) / (trials + PRIOR_WEIGHT))
+        return out
+
     def lower(self, key: int, z: float = CONFIDENCE_Z) -> float:
         """The estimate z standard errors lower: the prior and few, mixed outcomes give a wide margin."""
         p = self.get(key)
@@ -135,22 +146,16 @@ def calibrate(target, draft, k_max: int, cache_dir: Path, device: str = "cpu") -
 
 def measured(cache_dir: Path, path: Path, gpu_layers: int, load, device: str) -> tuple[float, ...] | None:
     """The t(B) cached for this model file laid out so (`load`: a LoadConfig), if it was ever calibrated."""
-    try:
-        data = json.loads((cache_dir / f"{_cache_key(path, gpu_layers, load, device)}.json").read_text())
-        return tuple(data["seconds"]) if data.get("version") == CACHE_VERSION and data["seconds"] else None
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    cached = _read_cached(_cache_path(cache_dir, path, gpu_layers, load, device))
+    return cached[1] if cached and cached[1] else None
 
 
 def _measured_or_timed(model, batches: tuple[int, ...], cache_dir: Path, device: str) -> tuple[float, ...]:
-    path = cache_dir / f"{_cache_key(model.path, model.cfg.n_gpu_layers, model.cfg, device)}.json"
-    try:
-        data = json.loads(path.read_text())
-        if data.get("version") == CACHE_VERSION and tuple(data["batches"]) == batches:
-            log.info("costs of %s from cache %s", model.path.name, path)
-            return tuple(data["seconds"])
-    except (OSError, ValueError, KeyError):
-        pass
+    path = _cache_path(cache_dir, model.path, model.cfg.n_gpu_layers, model.cfg, device)
+    cached = _read_cached(path)
+    if cached is not None and cached[0] == batches:
+        log.info("costs of %s from cache %s", model.path.name, path)
+        return cached[1]
     seconds = _time_batches(model, batches)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -160,6 +165,17 @@ def _measured_or_timed(model, batches: tuple[int, ...], cache_dir: Path, device:
     except OSError as e:
         log.warning("could not cache calibration at %s: %s", path, e)
     return seconds
+
+
+def _read_cached(path: Path) -> tuple[tuple[int, ...], tuple[float, ...]] | None:
+    """(batches, seconds) from a calibration file of this CACHE_VERSION; None if absent or unreadable."""
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") == CACHE_VERSION:
+            return tuple(data["batches"]), tuple(data["seconds"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return None
 
 
 def _time_batches(model, batches: Sequence[int]) -> tuple[float, ...]:
@@ -191,12 +207,13 @@ def _time_batches(model, batches: Sequence[int]) -> tuple[float, ...]:
     return tuple(out)
 
 
-def _cache_key(path: Path, gpu_layers: int, load, device: str) -> str:
+def _cache_path(cache_dir: Path, path: Path, gpu_layers: int, load, device: str) -> Path:
+    """One file per model file, layers on the GPU, threads, flash attention, device and machine."""
     st = path.stat() if path.exists() else None
     parts = [platform.machine(), str(os.cpu_count()), cpu_model(), device, str(path.resolve()),
              str(st.st_size if st else 0), str(int(st.st_mtime) if st else 0), str(gpu_layers), str(load.n_threads),
              load.flash_attn]
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
+    return cache_dir / f"{hashlib.sha256('|'.join(parts).encode()).hexdigest()[:24]}.json"
 
 
 def cpu_model() -> str:

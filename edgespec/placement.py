@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+from edgespec.costs import CALIBRATION_BATCHES
 from edgespec.policy import Costs, choose_k
 
-BATCHES = (1, 2, 4, 8, 16, 32, 64)  # costs.CALIBRATION_BATCHES
-# t(B)/t(1) at BATCHES, as far as published. CPU: Qwen2.5-Coder-1.5B Q4_K_M on 2 AVX-512 cores (FACTS.md).
+# t(B)/t(1) at CALIBRATION_BATCHES, as far as published. CPU: Qwen2.5-Coder-1.5B Q4_K_M on 2 AVX-512 cores (FACTS.md).
 # CUDA: RTX 3090, Llama-3 8B Q4_0 (llama.cpp PR #15802). Metal: Qwen2.5-Coder-7B Q8_0 (llama.cpp PR #10581).
 CURVES = {"cpu": (1.0, 1.59, 2.51, 4.30, 4.93, 8.66, 15.9),
           "cuda": (1.0, 1.119, 1.331, 2.146),
@@ -53,11 +53,10 @@ class Split:
 
 
 def modelled_seconds(split: Split, device: str, bandwidth: float) -> tuple[float, ...]:
-    """t(B) at BATCHES (as far as both sides' curves go) of a model split as `split`."""
+    """t(B) at CALIBRATION_BATCHES (as far as the curves of the sides it runs on go) of a model split as `split`."""
     cpu, gpu = CURVES["cpu"], CURVES.get(device, CURVES["cuda"])
-    n = len(cpu) if split.gpu_bytes == 0 else min(len(cpu), len(gpu)) if split.host_bytes else len(gpu)
     out = []
-    for i in range(n):
+    for i in range(min(len(cpu), len(gpu)) if split.gpu_layers else len(cpu)):
         t = split.host_bytes / CPU_BANDWIDTH * cpu[i]
         if split.gpu_layers:
             t += split.gpu_bytes / (bandwidth * GPU_EFFICIENCY) * gpu[i] + split.gpu_layers * GPU_LAYER_SECONDS
@@ -67,7 +66,7 @@ def modelled_seconds(split: Split, device: str, bandwidth: float) -> tuple[float
 
 def layout_costs(target: Sequence[float], draft: Sequence[float] | None) -> Costs:
     """Costs from the target's t(B) and the draft's (only its t(1) is used: it drafts one token a pass)."""
-    return Costs(BATCHES[: len(target)], tuple(target), draft[0] if draft else None)
+    return Costs(CALIBRATION_BATCHES[: len(target)], tuple(target), draft[0] if draft else None)
 
 
 def predicted_rate(costs: Costs, k_max: int, accept: float) -> tuple[float, int]:

@@ -33,7 +33,7 @@ import numpy as np
 import workloads
 from replay_auto import RecordedTarget, dense
 
-from edgespec import loop, sampling
+from edgespec import loop, placement, sampling
 from edgespec.config import MAX_K, GenerationConfig, SamplingConfig
 from edgespec.costs import CALIBRATION_BATCHES, CostTracker
 from edgespec.policy import DRAFT_P_MIN, Costs
@@ -191,7 +191,7 @@ def _run(trace: dict, prompt: list[int], out: list[int], curve: dict[int, float]
 def machines(path: Path) -> list[tuple[str, dict[int, float], str]]:
     """(name, curve, source) of every machine with a published curve, and this project's two CPU curves."""
     data = json.loads(path.read_text())
-    avx512 = (1.0, 1.59, 2.51, 4.30, 4.93, 8.66, 15.9)
+    avx512 = placement.CURVES["cpu"]
     avx2 = (1.0, 1.69, 3.34, 8.1, 10.13, 19.38, 38.4)
     out = [("this project's CPU, AVX-512, 2 cores (measured)", dict(zip(CALIBRATION_BATCHES, avx512)), "../shared/FACTS.md"),
            ("AVX2-only CPU, 2 cores (measured)", dict(zip(CALIBRATION_BATCHES, avx2)), "issue 22")]

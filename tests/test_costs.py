@@ -96,7 +96,7 @@ def test_an_untried_draft_position_is_expected_to_do_as_the_one_before():
     auto = AutoProposer(NgramProposer(lambda t: False), None, CostTracker(costs))
     for i in range(10):
         auto.draft_accept.update(0, i != 3)
-    first = auto.draft_accept.get(0)
-    assert abs(auto.draft_accept.get(2) - first) < 1e-9 and first > 0.7
-    bets = Bets(draft=[auto.draft_accept.get(j) for j in range(7)])
+    first = auto.draft_accept.chain(1)[0]
+    assert abs(auto.draft_accept.chain(3)[2] - first) < 1e-9 and first > 0.7
+    bets = Bets(draft=auto.draft_accept.chain(7))
     assert choose_proposal(costs, bets, 7) == ("draft", 3)

@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from edgespec.config import SamplingConfig
-from edgespec.costs import ACCEPT_PRIOR, AcceptanceTracker, CostTracker
+from edgespec.costs import AcceptanceTracker, CostTracker
 from edgespec.policy import CONFIDENCE_Z, Bets, choose_proposal, match_class, match_prior
 from edgespec.proposers import Proposal
 from edgespec.proposers.draft import DraftProposer
@@ -28,9 +28,7 @@ class AutoProposer:
                  confidence_z: float = CONFIDENCE_Z) -> None:
         self.ngram, self.draft, self.cost_tracker = ngram, draft, costs
         self.ngram_accept = AcceptanceTracker(prior=match_prior)  # keyed by match_class of the match length
-        # Keyed by draft position. A position not tried yet is expected to do as the one before it: with a
-        # flat prior, longer drafts would look worse than they are and never be tried (docs/gpu.md).
-        self.draft_accept = AcceptanceTracker(prior=lambda j: self.draft_accept.get(j - 1) if j else ACCEPT_PRIOR)
+        self.draft_accept = AcceptanceTracker()  # keyed by draft position, read as a chain (AcceptanceTracker.chain)
         self.confidence_z = confidence_z  # standard errors below its estimates a lookup bet must still pay
         self._chosen: Proposal = Proposal(source="none")
         self._shadow: tuple[int, list[int], int] | None = None  # (context length, n-gram tokens, match length)
@@ -52,7 +50,7 @@ class AutoProposer:
         keys = [match_class(ng.match + j) for j in range(len(ng.tokens))]
         bets = Bets(ngram=[self.ngram_accept.get(c) for c in keys],
                     ngram_low=[self.ngram_accept.lower(c, self.confidence_z) for c in keys],
-                    draft=[self.draft_accept.get(j) for j in range(k)] if self.draft is not None else None,
+                    draft=self.draft_accept.chain(k) if self.draft is not None else None,
                     draft_lag=self.draft.lag(context) if self.draft is not None else 0)
         source, n = choose_proposal(self.cost_tracker.costs, bets, k)
         if source == "ngram":

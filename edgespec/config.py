@@ -18,6 +18,8 @@ DEFAULT_K = 4  # most tokens proposed per cycle by a fixed proposer
 MAX_SEQ = 8  # most KV sequences (server slots) in one context
 MAX_K = 63  # most tokens proposed per cycle by any proposer: a verify batch of 64
 PROPOSERS = ("auto", "none", "ngram", "draft")
+# Where an ONNX draft runs (ort.DEVICES names the execution provider of each); auto: a GPU provider if one starts.
+DRAFT_DEVICES = ("auto", "cuda", "dml", "coreml", "openvino", "cpu")
 # llama.cpp's defaults for the filters; temperature 0 (greedy) as in mlx-lm,
 # so a plain `edgespec generate` is reproducible.
 DEFAULT_TEMPERATURE = 0.0
@@ -187,6 +189,7 @@ class EngineConfig:
     source: str | None = None  # where catalog models come from (models.store.SOURCES); None: auto
     # The draft's layers on the GPU (llama.cpp's -ngld); None: the plan's. The target's: load.n_gpu_layers.
     draft_gpu_layers: int | None = None
+    draft_device: str = "auto"  # an ONNX draft's execution provider (DRAFT_DEVICES)
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:
@@ -198,6 +201,8 @@ class EngineConfig:
         if self.draft_gpu_layers is not None and self.draft_gpu_layers < 0:
             raise InvalidRequestError(f"draft GPU layers {self.draft_gpu_layers} must be >= 0; leave "
                                       f"--draft-gpu-layers out to let the plan choose")
+        if self.draft_device not in DRAFT_DEVICES:
+            raise InvalidRequestError(f"draft device {self.draft_device!r} must be one of {', '.join(DRAFT_DEVICES)}")
 
     @property
     def k_max(self) -> int:

@@ -137,7 +137,9 @@ def calibrate(target, draft, k_max: int, cache_dir: Path, device: str = "cpu") -
     batches = tuple(b for b in CALIBRATION_BATCHES if b <= k_max + 1)
     t0 = time.perf_counter()
     target_seconds = _measured_or_timed(target, batches, cache_dir, device)
-    draft_cost = _measured_or_timed(draft, (1,), cache_dir, device)[0] if draft is not None else None
+    # An ONNX draft names its execution provider: its cost depends on that, not on llama.cpp's device.
+    draft_cost = (_measured_or_timed(draft, (1,), cache_dir, getattr(draft, "device_key", device))[0]
+                  if draft is not None else None)
     log.info("costs in %.2fs: t(B)/t(1) = %s, draft/target per token = %s", time.perf_counter() - t0,
              [round(t / target_seconds[0], 2) for t in target_seconds],
              round(draft_cost / target_seconds[0], 2) if draft_cost else None)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Generator, Iterator, Sequence
 
-from edgespec import budget, chat, costs, fim, loop
+from edgespec import budget, chat, costs, fim, loop, ort
 from edgespec.backend import Grammar, KVSequence, Model, ModelFacts, devices, open_facts, read_facts
 from edgespec.budget import ModelMemory, Plan
 from edgespec.config import DEFAULT_MODEL, EngineConfig, GenerationConfig, LoadConfig
@@ -25,6 +25,7 @@ from edgespec.errors import (ContextOverflowError, EdgespecError, InvalidRequest
 from edgespec.loop import FinishReason, Stats
 from edgespec.models import ProgressCallback, resolve
 from edgespec.models.store import calibration_dir
+from edgespec.onnx_files import OnnxDraftFiles, is_onnx, locate
 from edgespec.policy import DRAFT_ACCEPT_CEILING, DRAFT_P_MIN, Costs, draft_can_pay
 from edgespec.proposers import Proposer
 from edgespec.proposers.auto import AutoProposer
@@ -71,29 +72,54 @@ def memory_of(f: ModelFacts) -> ModelMemory:
 
 def plan_memory(target: Path, draft: Path | None, load: LoadConfig, k_max: int,
                 memory_budget: int | None = None, draft_gpu_layers: int | None = None,
-                keep_draft: bool = False) -> Plan:
+                keep_draft: bool = False, draft_device: str = "auto") -> Plan:
     """How `target` (and `draft`) are laid out in the memory this machine has, or `memory_budget` bytes of it.
 
     Layouts are priced from calibrations cached on this machine where there are some, else modelled;
     `load.n_gpu_layers` (>= 0) and `draft_gpu_layers` fix the layers instead of letting the plan choose.
+    An ONNX draft sits where its execution provider runs (`draft_device`) and is kept for calibration to
+    price: there is no modelled curve for onnxruntime.
     """
     facts = read_facts(target)
-    draft_facts = read_facts(draft) if draft is not None else None
     found = devices()
     b = budget.detect_budget(found, memory_budget)
+    onnx_note, draft_key = None, None
+    if draft is not None and is_onnx(draft):
+        files = locate(draft)
+        where = ort.planned_device(draft_device)
+        draft_mem = onnx_memory(files)
+        draft_gpu_layers = draft_mem.units if where in ort.GPU_DEVICES and b.gpu_bytes else 0
+        keep_draft = True
+        counted = "GPU memory" if draft_gpu_layers else "RAM"
+        onnx_note = f"draft {files.name} runs in onnxruntime on {where}; its memory is counted in {counted}"
+        draft_key = f"onnxruntime-{where}"  # as OnnxModel.device_key: its calibration is kept per provider
+    else:
+        draft_mem = memory_of(read_facts(draft)) if draft is not None else None
     paths = {"target": target, "draft": draft}
 
     def measured(which: str, layers: int) -> tuple[float, ...] | None:
         path = paths[which]
-        return None if path is None else costs.measured(calibration_dir(), path, layers, load, b.gpu_name or "cpu")
+        if path is None:
+            return None
+        if which == "draft" and draft_key is not None:
+            return costs.measured(calibration_dir(), path, 0, load, draft_key)
+        return costs.measured(calibration_dir(), path, layers, load, b.gpu_name or "cpu")
 
-    p = budget.plan(memory_of(facts), memory_of(draft_facts) if draft_facts else None, b,
+    p = budget.plan(memory_of(facts), draft_mem, b,
                     n_ctx=load.n_ctx, k_max=k_max, n_ubatch=load.n_batch, n_seq=load.n_seq,
                     target_gpu_layers=load.n_gpu_layers if load.n_gpu_layers >= 0 else None,
                     draft_gpu_layers=draft_gpu_layers, measured=measured, keep_draft=keep_draft)
+    if onnx_note is not None:
+        p.notes.append(onnx_note)
     if (idle := budget.idle_gpu_note(found)) is not None:
         p.notes.insert(0, idle)
     return p
+
+
+def onnx_memory(files: OnnxDraftFiles) -> ModelMemory:
+    h = files.hyper
+    return ModelMemory(files.name, files.weights_bytes, h["n_layer"], h["n_head_kv"], h["head_dim"], h["head_dim"],
+                       h["n_vocab"], h["n_embd"], h["n_ff"], h["n_ctx_train"])
 
 
 class Engine:
@@ -129,7 +155,7 @@ class Engine:
                     f"{self.target.path.name} has a recurrent cache that cannot be rolled back, so it cannot "
                     f"verify drafts; use --proposer none")
             if self._dropped is not None:  # a draft the plan left out is still one the user named: check it
-                with open_facts(self._dropped) as unused:
+                with locate(self._dropped) if is_onnx(self._dropped) else open_facts(self._dropped) as unused:
                     check_compatible(self.target, unused)
             proposers = [custom] if custom is not None else self._make_proposers(draft_path)
         except BaseException:
@@ -148,10 +174,11 @@ class Engine:
             self.notes.append(f"draft {draft} is not used with proposer {cfg.proposer!r}")
             draft = None
         target_path = resolve(cfg.model, source=cfg.source, progress=progress)
-        draft_path = resolve(draft, source=cfg.source, progress=progress) if draft is not None else None
+        draft_path = None if draft is None else Path(draft) if is_onnx(draft) else resolve(
+            draft, source=cfg.source, progress=progress)
         self._dropped: Path | None = None  # a draft the plan did not load
         self.plan = plan_memory(target_path, draft_path, cfg.load, cfg.k_max, cfg.memory_budget,
-                                cfg.draft_gpu_layers, keep_draft=cfg.proposer == "draft")
+                                cfg.draft_gpu_layers, keep_draft=cfg.proposer == "draft", draft_device=cfg.draft_device)
         self.notes += self.plan.notes
         if draft_path is not None and not self.plan.load_draft:
             if cfg.proposer == "draft":
@@ -168,6 +195,8 @@ class Engine:
     def _load(self, path: Path, cfg: LoadConfig) -> Model:
         """Load a model where the plan put it; a GPU that has lost the room since is an error with the numbers."""
         try:
+            if is_onnx(path):
+                return ort.OnnxModel(path, cfg, self.config.draft_device)  # type: ignore[return-value]
             return Model(path, cfg)
         except EdgespecError as e:
             b = self.plan.budget

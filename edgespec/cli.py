@@ -27,6 +27,7 @@ from edgespec.config import (
     DEFAULT_TEMPERATURE,
     DEFAULT_TOP_K,
     DEFAULT_TOP_P,
+    DRAFT_DEVICES,
     FLASH_ATTN,
     MAX_K,
     MAX_SEQ,
@@ -43,6 +44,7 @@ from edgespec.models import DEFAULT_MODEL, MODELS, PAIRS, FetchProgress, cache_d
 from edgespec.models import fetch as fetch_model
 from edgespec.models import remove as remove_model
 from edgespec.models.store import SOURCES
+from edgespec.onnx_export import PRECISIONS
 
 
 def _errors(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -87,7 +89,10 @@ def _options(*decorators: Callable[..., Any]) -> Callable[..., Any]:
 # Options shared by every command that loads an engine, and by every command that samples.
 _engine_options = _options(
     click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Catalog name or path of a GGUF file."),
-    click.option("-d", "--draft", default=None, help="Draft model (catalog name or GGUF path)."),
+    click.option("-d", "--draft", default=None,
+                 help="Draft model: catalog name or GGUF path (llama.cpp), or an ONNX directory (onnxruntime)."),
+    click.option("--draft-device", type=click.Choice(DRAFT_DEVICES), default="auto", show_default=True,
+                 help="Where an ONNX draft runs (auto: a GPU provider of the installed onnxruntime, else the CPU)."),
     click.option("--proposer", type=click.Choice(PROPOSERS), default="auto", show_default=True,
                  help="auto picks n-gram lookup, the draft or a plain step each cycle from measured costs; "
                       "none, ngram and draft force one."),
@@ -202,7 +207,7 @@ def _engine_config(o: dict[str, Any], mmap: bool = True, n_seq: int = 1) -> Engi
                                    mmap=mmap if o["mmap"] is None else o["mmap"], n_seq=n_seq,
                                    n_gpu_layers=-1 if o["gpu_layers"] is None else o["gpu_layers"]),
                         parse_size(o["memory_budget"]) if o["memory_budget"] else None, o["source"],
-                        o["draft_gpu_layers"])
+                        o["draft_gpu_layers"], o["draft_device"])
 
 
 def _open_engine(o: dict[str, Any], config: EngineConfig | None = None):
@@ -409,7 +414,9 @@ def serve(host: str, port: int, api_key: str | None, cors_origins: tuple[str, ..
 
 @cli.command("plan")
 @click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Catalog name or path of a GGUF file.")
-@click.option("-d", "--draft", default=None, help="Draft model to plan for.")
+@click.option("-d", "--draft", default=None, help="Draft model to plan for (catalog name, GGUF or ONNX directory).")
+@click.option("--draft-device", type=click.Choice(DRAFT_DEVICES), default="auto", show_default=True,
+              help="Where an ONNX draft runs.")
 @click.option("--ctx", "n_ctx", type=int, default=None, help=f"Wanted context size [default: up to {DEFAULT_N_CTX}].")
 @click.option("-k", "--k", "k", type=int, default=None,
               help=f"Most tokens proposed per cycle; the plan may lower it [default: {MAX_K}].")
@@ -419,12 +426,13 @@ def serve(host: str, port: int, api_key: str | None, cors_origins: tuple[str, ..
 @click.option("--json", "as_json", is_flag=True)
 @_source_option
 @_errors
-def plan_cmd(model: str, draft: str | None, n_ctx: int | None, k: int | None, memory_budget: str | None,
-             gpu_layers: int | None, draft_gpu_layers: int | None, threads: int | None, as_json: bool,
-             source: str | None) -> None:
+def plan_cmd(model: str, draft: str | None, draft_device: str, n_ctx: int | None, k: int | None,
+             memory_budget: str | None, gpu_layers: int | None, draft_gpu_layers: int | None, threads: int | None,
+             as_json: bool, source: str | None) -> None:
     """Show every layout of target and draft that fits this machine, its predicted speed, and the one chosen."""
     from edgespec.engine import plan_memory
     from edgespec.models import resolve
+    from edgespec.onnx_files import is_onnx
 
     load = LoadConfig(n_ctx=n_ctx, n_gpu_layers=-1 if gpu_layers is None else gpu_layers,
                       n_threads=default_threads() if threads is None else threads)
@@ -432,8 +440,9 @@ def plan_cmd(model: str, draft: str | None, n_ctx: int | None, k: int | None, me
                           memory_budget=parse_size(memory_budget) if memory_budget else None)
     progress = _progress(not as_json)
     p = plan_memory(resolve(model, source=source, progress=progress),
-                    resolve(draft, source=source, progress=progress) if draft else None, config.load, config.k_max,
-                    config.memory_budget, draft_gpu_layers)
+                    None if not draft else Path(draft) if is_onnx(draft) else resolve(draft, source=source,
+                                                                                      progress=progress),
+                    config.load, config.k_max, config.memory_budget, draft_gpu_layers, draft_device=draft_device)
     if as_json:
         click.echo(json.dumps(p.to_dict(), indent=2))
         return
@@ -535,6 +544,37 @@ def models_pull(repo: str, filename: str | None) -> None:
     from edgespec.models.hub import pull
 
     click.echo(pull(repo, filename))
+
+
+@models.command("export-onnx")
+@click.argument("name")
+@click.option("--precision", type=click.Choice(PRECISIONS), default=PRECISIONS[0], show_default=True,
+              help="Weights: int8 or int4 (onnxruntime's MatMulNBits), fp16 (for GPUs) or fp32.")
+@click.option("--force", is_flag=True, help="Export again over a cached export.")
+@_source_option
+@_errors
+def models_export_onnx(name: str, precision: str, force: bool, source: str | None) -> None:
+    """Export a GGUF draft (catalog NAME or PATH; llama or qwen2 family) to ONNX for onnxruntime, cached beside it.
+
+    Use the directory it prints as --draft; --draft-device picks the execution provider.
+    """
+    from edgespec.models import resolve
+    from edgespec.onnx_export import export
+    from edgespec.onnx_files import export_dir, locate
+
+    gguf = resolve(name, source=source, progress=_FetchBar())
+    out = export_dir(gguf, precision)
+    if not force and out.exists():
+        locate(out)  # a damaged export is an error that says to use --force
+        click.echo(f"{out} (cached; --force exports again)")
+        return
+    with click.progressbar(length=1, label=f"exporting {gguf.name} ({precision})", file=sys.stderr) as bar:
+        def progress(done: int, total: int) -> None:
+            bar.length = total
+            bar.update(done - bar.pos)
+
+        export(gguf, out, precision, progress=progress)
+    click.echo(str(out))
 
 
 @models.command("pair")

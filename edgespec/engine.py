@@ -91,7 +91,8 @@ def plan_memory(target: Path, draft: Path | None, load: LoadConfig, k_max: int,
         draft_gpu_layers = draft_mem.units if where in ort.GPU_DEVICES and b.gpu_bytes else 0
         keep_draft = True
         counted = "GPU memory" if draft_gpu_layers else "RAM"
-        onnx_note = f"draft {files.name} runs in onnxruntime on {where}; its memory is counted in {counted}"
+        onnx_note = (f"draft {files.name} runs in onnxruntime on {where}; its memory is counted in {counted}; "
+                     f"calibration at load prices it")
         draft_key = f"onnxruntime-{where}"  # as OnnxModel.device_key: its calibration is kept per provider
     else:
         draft_mem = memory_of(read_facts(draft)) if draft is not None else None
@@ -194,9 +195,9 @@ class Engine:
 
     def _load(self, path: Path, cfg: LoadConfig) -> Model:
         """Load a model where the plan put it; a GPU that has lost the room since is an error with the numbers."""
+        if is_onnx(path):  # onnxruntime reports its own failures: they are not llama.cpp's GPU running short
+            return ort.OnnxModel(path, cfg, self.config.draft_device)  # type: ignore[return-value]
         try:
-            if is_onnx(path):
-                return ort.OnnxModel(path, cfg, self.config.draft_device)  # type: ignore[return-value]
             return Model(path, cfg)
         except EdgespecError as e:
             b = self.plan.budget

@@ -29,6 +29,7 @@ def machine_info() -> dict[str, Any]:
         "devices": [f"{d.name}: {d.description} ({d.kind}), {d.free_bytes / GiB:.1f} GiB free of "
                     f"{d.total_bytes / GiB:.1f} GiB" for d in found] or ["none reported"],
         "llama.cpp features": features.strip(),
+        "onnxruntime (ONNX drafts)": _onnxruntime(),
         "versions": [f"edgespec {_version('edgespec')}", f"llama-cpp-python {backend.library_version()}",
                      f"numpy {_version('numpy')}", f"huggingface-hub {_version('huggingface-hub')}",
                      f"python {sys.version.split()[0]}"],
@@ -53,6 +54,15 @@ def machine_info() -> dict[str, Any]:
     except EdgespecError as e:
         data["memory plan"] = str(e)
     return data
+
+
+def _onnxruntime() -> str:
+    from edgespec import ort
+
+    v = ort.version()
+    if v is None:
+        return "not installed (pip install 'edgespec[onnx]')"
+    return f"{v}, --draft-device {', '.join(ort.providers())}"
 
 
 def _backends(features: str) -> list[str]:

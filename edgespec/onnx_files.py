@@ -116,10 +116,15 @@ def hf_vocab(home: Path) -> dict[str, Any]:
     kind = _HF_VOCAB_TYPES.get(model.get("type"), 0)
     if kind == 2 and model.get("byte_fallback"):
         kind = 1  # a SentencePiece BPE: llama.cpp's "llama" vocabulary
-    eos = config.get("eos_token_id")
-    eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    return {"type": kind, "bos": config.get("bos_token_id"), "eos": eos_ids[0] if eos_ids else None,
-            "add_bos": bool(tconf.get("add_bos_token", kind == 1)), "eog": eos_ids, "tokens": tokens}
+    gen = _read_json(home / "generation_config.json") if (home / "generation_config.json").exists() else {}
+
+    def ids(value: Any) -> list[int]:
+        return value if isinstance(value, list) else [] if value is None else [value]
+
+    eos = ids(config.get("eos_token_id"))
+    return {"type": kind, "bos": config.get("bos_token_id"), "eos": eos[0] if eos else None,
+            "add_bos": bool(tconf.get("add_bos_token", kind == 1)),
+            "eog": sorted(set(eos) | set(ids(gen.get("eos_token_id")))), "tokens": tokens}
 
 
 def _hf_hyper(config: dict[str, Any], n_vocab: int) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from edgespec.backend import KVSequence
 from edgespec.config import DEFAULT_N_BATCH, DEFAULT_N_CTX, DRAFT_DEVICES, LoadConfig
 from edgespec.errors import ContextOverflowError, EdgespecError, InvalidModelError, InvalidRequestError
 from edgespec.onnx_files import OnnxDraftFiles, locate
@@ -225,7 +226,7 @@ class OnnxSequence:
         outs = io.get_outputs()
         self._kv = outs[1:]
         self.tokens.extend(chunk)
-        return outs[0].numpy()[0]
+        return outs[0].numpy()[0].astype(np.float32, copy=False)  # an fp16 optimum export gives fp16 logits
 
     def trim(self, n_keep: int) -> int:
         """Keep the first `n_keep` cached tokens; every array is sliced to them, then checked."""
@@ -241,22 +242,9 @@ class OnnxSequence:
                                 f"{n_keep}")
         return dropped
 
-    def shared_prefix(self, tokens: Sequence[int]) -> int:
-        held = self.tokens
-        n = min(len(held), len(tokens) - 1)
-        if n >= 0 and held[:n] == list(tokens[:n]):
-            return n
-        n = 0
-        for a, b in zip(held, tokens[:-1]):
-            if a != b:
-                break
-            n += 1
-        return n
-
-    def keep_prefix_of(self, tokens: Sequence[int]) -> int:
-        n = self.shared_prefix(tokens)
-        self.trim(n)
-        return n
+    # Both read only `tokens` and `trim`: the llama.cpp sequence's own, so the two caches agree on prefixes.
+    shared_prefix = KVSequence.shared_prefix
+    keep_prefix_of = KVSequence.keep_prefix_of
 
 
 class _Slicer:

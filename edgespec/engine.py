@@ -84,7 +84,15 @@ def plan_memory(target: Path, draft: Path | None, load: LoadConfig, k_max: int,
     found = devices()
     b = budget.detect_budget(found, memory_budget)
     onnx_note, draft_key = None, None
-    if draft is not None and is_onnx(draft):
+    onnx = draft is not None and is_onnx(draft)
+    if onnx and draft_gpu_layers is not None:
+        raise InvalidRequestError(f"--draft-gpu-layers {draft_gpu_layers} places a GGUF draft's layers; {draft} is "
+                                  f"an ONNX draft: place it with --draft-device instead")
+    if draft is not None and not onnx and draft_device != "auto":
+        raise InvalidRequestError(f"--draft-device {draft_device} picks an ONNX draft's execution provider; "
+                                  f"{draft} runs in llama.cpp: place it with --draft-gpu-layers instead")
+    if onnx:
+        assert draft is not None
         files = locate(draft)
         where = ort.planned_device(draft_device)
         draft_mem = onnx_memory(files)

@@ -189,6 +189,13 @@ def test_interrupted_export_leaves_nothing(smollm_path, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_placement_flags_of_the_other_runtime_are_refused(qwen_path, qwen_draft_path, exports):
+    r = CliRunner().invoke(cli, ["plan", "-m", str(qwen_path), "-d", str(exports["smollm2"]), "-ngld", "3"])
+    assert r.exit_code == 1 and "place it with --draft-device instead" in r.output, r.output
+    r = CliRunner().invoke(cli, ["plan", "-m", str(qwen_path), "-d", str(qwen_draft_path), "--draft-device", "cpu"])
+    assert r.exit_code == 1 and "place it with --draft-gpu-layers instead" in r.output, r.output
+
+
 def test_draft_device_not_in_build_is_refused(qwen_path, exports):
     r = CliRunner().invoke(cli, ["generate", "-m", str(qwen_path), "-d", str(exports["smollm2"]),
                                  "--draft-device", "dml", "-n", "2", "--prompt", "hi"])

@@ -96,9 +96,9 @@ def test_speculative_with_onnx_draft_is_lossless(qwen_path, exports):
 
 def test_acceptance_close_to_gguf_draft(qwen_path, qwen_draft_path, exports):
     rates = {}
-    for name, draft in (("gguf", qwen_draft_path), ("onnx", exports["qwen-0.5b"])):
+    for name, draft, device in (("gguf", qwen_draft_path, "auto"), ("onnx", exports["qwen-0.5b"], "cpu")):
         drafted = accepted = 0
-        with Engine(EngineConfig(str(qwen_path), str(draft), "draft", 4, LOAD, draft_device="cpu")) as e:
+        with Engine(EngineConfig(str(qwen_path), str(draft), "draft", 4, LOAD, draft_device=device)) as e:
             for text in PROMPTS:
                 s = e.generate(text, GenerationConfig(max_tokens=48)).stats
                 drafted, accepted = drafted + s.drafted, accepted + s.accepted

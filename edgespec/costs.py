@@ -9,6 +9,7 @@ tracked online as decayed counts, so it follows the text. `policy` puts them tog
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -210,9 +211,12 @@ def _time_batches(model, batches: Sequence[int]) -> tuple[float, ...]:
 
 
 def _cache_path(cache_dir: Path, path: Path, gpu_layers: int, load, device: str) -> Path:
-    """One file per model file, layers on the GPU, threads, flash attention, device and machine."""
+    """One file per model file, layers on the GPU, threads, flash attention, device, machine and llama.cpp build
+    (a second build, used through PYTHONPATH to time another machine's kernels, has a curve of its own)."""
     st = path.stat() if path.exists() else None
-    parts = [platform.machine(), str(os.cpu_count()), cpu_model(), device, str(path.resolve()),
+    spec = importlib.util.find_spec("llama_cpp")
+    parts = [platform.machine(), str(os.cpu_count()), cpu_model(), device, str(spec.origin if spec else ""),
+             str(path.resolve()),
              str(st.st_size if st else 0), str(int(st.st_mtime) if st else 0), str(gpu_layers), str(load.n_threads),
              load.flash_attn]
     return cache_dir / f"{hashlib.sha256('|'.join(parts).encode()).hexdigest()[:24]}.json"

@@ -19,6 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llama_tools  # noqa: E402
+import machine  # noqa: E402
 
 from edgespec import GenerationConfig, LoadConfig, SamplingConfig  # noqa: E402
 from edgespec.backend import Model  # noqa: E402
@@ -99,13 +100,15 @@ def main() -> None:
 
     medians = {k: statistics.median(v) for k, v in runs.items() if v}
     ref = medians.get("llama.cpp (llama-bench)") or medians["edgespec backend"]
-    print(f"\nmodel {path.name}, {args.threads} threads, {args.n} tokens, {args.repeats} interleaved repeats\n")
+    where = machine.record(backend, args.threads)
+    print(f"\n{machine.line(where)}\nmodel {path.name}, {args.threads} threads, {args.n} tokens, "
+          f"{args.repeats} interleaved repeats\n")
     print(f"| {'decoder':<26} | median tok/s | ÷ llama.cpp |")
     print(f"|{'-' * 28}|-------------:|------------:|")
     for k, v in medians.items():
         print(f"| {k:<26} | {v:12.1f} | {v / ref:11.3f} |")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": path.name, "threads": args.threads, "n": args.n, "runs": runs,
+    args.out.write_text(json.dumps({"machine": where, "model": path.name, "threads": args.threads, "n": args.n, "runs": runs,
                                     "medians": medians}, indent=2))
 
 

@@ -26,11 +26,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import machine  # noqa: E402
 
 from edgespec import ort, placement  # noqa: E402
 from edgespec.backend import Model, devices  # noqa: E402
 from edgespec.config import LoadConfig  # noqa: E402
-from edgespec.costs import CALIBRATION_BATCHES, _time_batches, cpu_model  # noqa: E402
+from edgespec.costs import CALIBRATION_BATCHES, _time_batches  # noqa: E402
 from edgespec.onnx_export import export  # noqa: E402
 from edgespec.onnx_files import export_dir  # noqa: E402
 
@@ -89,6 +92,7 @@ def main() -> None:
         m = ort.OnnxModel(exports[p], load, dev)
         drafts[f"onnxruntime {p} on {m.device}"] = m
     t_curve = _time_batches(target, CALIBRATION_BATCHES)
+    args.machine = machine.record(target, args.threads)
     samples: dict[str, list[float]] = {name: [] for name in drafts}
     for _ in range(args.rounds):  # round-robin: each round times every draft once
         for name, m in drafts.items():
@@ -99,10 +103,8 @@ def main() -> None:
 def report(args, target_path: Path, draft_path: Path, t_curve, cost: dict[str, float]) -> None:
     t1 = t_curve[0]
     gpus = [f"{d.name} {d.description}" for d in devices() if d.kind != "cpu"]
-    name, _, flags = cpu_model().partition(" fpu ")
-    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    machine = f"{name}, {vector}, {args.threads} threads; GPU: {', '.join(gpus) or 'none'}"
-    print(f"machine: {machine}\ntarget {target_path.name} ({args.ngl} layers on GPU): t(1) = {t1 * 1e3:.2f} ms, "
+    where = f"{machine.line(args.machine)}; GPU: {', '.join(gpus) or 'none'}"
+    print(f"{where}\ntarget {target_path.name} ({args.ngl} layers on GPU): t(1) = {t1 * 1e3:.2f} ms, "
           f"t(B)/t(1) = {[round(t / t1, 2) for t in t_curve]} for B = {list(CALIBRATION_BATCHES)}")
     heads = list(ACCEPT)
     print(f"{'draft':<44}{'ms/token':>9}{'÷ target':>9}  " + "  ".join(f"{h:>18}" for h in heads))
@@ -115,7 +117,8 @@ def report(args, target_path: Path, draft_path: Path, t_curve, cost: dict[str, f
             h: {"ratio": r * t1, "k": k} for h, (r, k) in zip(heads, preds)}})
     print("predicted speedup: auto's best cycle at that acceptance under the measured costs (not a decode run)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": machine, "platform": platform.platform(), "target": target_path.name,
+    args.out.write_text(json.dumps({"machine": args.machine | {"gpus": gpus}, "platform": platform.platform(),
+                                    "target": target_path.name,
                                     "draft": draft_path.name, "ngl": args.ngl, "ngld": args.ngld,
                                     "target_seconds": t_curve, "drafts": rows}, indent=1))
 

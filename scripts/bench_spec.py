@@ -34,6 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llama_tools  # noqa: E402
+import machine  # noqa: E402
 import workloads  # noqa: E402
 
 from edgespec import Engine, GenerationConfig, LoadConfig  # noqa: E402
@@ -79,6 +80,7 @@ def main() -> None:
     # One engine per mode: modes in lockstep cannot share one (an engine runs one generation at a time).
     by_mode = {(name, k): Engine(args.model, k=k or None, load=load, **kinds[name]) for name, k in modes}
     plain, auto = by_mode[("none", 0)], by_mode.get(("auto", 0))
+    where = machine.record(plain.target, args.threads)
     for note in auto.notes if auto is not None else ():
         print(f"auto: {note}", file=sys.stderr)
     tool = llama_tools.tool("llama-speculative-simple", build=True) if args.llama_cpp else None
@@ -128,14 +130,15 @@ def main() -> None:
     mode_names = [f"{n}:{k}" if k else n for n, k in modes]
     if tool is not None:
         mode_names += [f"llama.cpp {s}" for s in LLAMA_CPP_MODES]
+    print(machine.line(where))
     report(rows, mode_names)
     if args.repeats > 1:
         print("\nthe same, counting per prompt and mode only its fastest repeat (a burst of load from elsewhere"
               " slows one repeat, not both)")
         report(fastest_repeats(rows), mode_names)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "rows": rows,
-                                         "prompts": prompt_tokens}, indent=1))
+    args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "machine": where, "rows": rows,
+                                    "prompts": prompt_tokens}, indent=1))
     if args.plot:
         plot(rows, mode_names, args.out.with_suffix(".png"))
 

@@ -7,6 +7,7 @@ positions on the same device, and is checked after every trim, as the llama.cpp 
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from dataclasses import replace
@@ -26,6 +27,7 @@ DEVICES = {"cuda": "CUDAExecutionProvider", "dml": "DmlExecutionProvider", "core
 GPU_DEVICES = ("cuda", "dml", "coreml")  # where the draft's weights and cache leave RAM
 
 
+@functools.cache
 def _ort() -> Any:
     try:
         import onnxruntime
@@ -98,7 +100,8 @@ def _session(path: Path, device: str, n_threads: int) -> Any:
     opts.add_session_config_entry("session.force_spinning_stop", "1")
     opts.log_severity_level = 3
     try:
-        sess = ort.InferenceSession(str(path), opts, providers=[DEVICES[d] for d in wanted if d != "cpu"] + ["CPUExecutionProvider"])
+        eps = [DEVICES[d] for d in wanted if d != "cpu"] + ["CPUExecutionProvider"]
+        sess = ort.InferenceSession(str(path), opts, providers=eps)
     except Exception as e:  # onnxruntime raises its own types for a bad file, a missing data file, a bad graph
         raise InvalidModelError(f"onnxruntime could not load {path} ({str(e).splitlines()[0][:300]}); the file is "
                                 f"truncated, corrupt or lacks its external data: export it again "
@@ -205,7 +208,6 @@ class OnnxSequence:
 
     def _run(self, chunk: list[int]) -> np.ndarray:
         md = self.model
-        ort = _ort()
         io = md.session.io_binding()
         ids = np.asarray([chunk], dtype=np.int64)
         io.bind_cpu_input("input_ids", ids)
@@ -221,8 +223,9 @@ class OnnxSequence:
             io.bind_output(name.replace("past_key_values.", "present."), where)
         try:
             md.session.run_with_iobinding(io)
-        except ort.capi.onnxruntime_pybind11_state.Fail as e:  # type: ignore[attr-defined]
-            raise EdgespecError(f"onnxruntime failed on {md.files.name} at position {self.n_past} ({e})") from e
+        except Exception as e:  # noqa: BLE001 - onnxruntime's own exception types, one per status code
+            raise EdgespecError(f"onnxruntime failed on {md.files.name} at position {self.n_past} "
+                                f"({str(e).splitlines()[0][:300]}); try --draft-device cpu, or the GGUF draft") from e
         outs = io.get_outputs()
         self._kv = outs[1:]
         self.tokens.extend(chunk)

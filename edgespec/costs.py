@@ -124,6 +124,10 @@ class AcceptanceTracker:
         a, n = self._counts.get(key, (0.0, 0.0))
         self._counts[key] = (self.decay * a + accepted, self.decay * n + 1.0)
 
+    def discount(self, weight: float) -> None:
+        """Keep every count at `weight` of itself: evidence from earlier texts counts less against a new one."""
+        self._counts = {k: (a * weight, n * weight) for k, (a, n) in self._counts.items()}
+
 
 # -- calibration ------------------------------------------------------------------
 

@@ -8,6 +8,9 @@ here); `--whole-runs` times whole runs instead. This is repeated `--repeats`
 times. Per category the script reports decode tok/s (tokens after the first,
 over decode time, summed over prompts and repeats), its ratio to plain decoding
 in the same run, and acceptance. Greedy, as Spec-Bench is usually reported.
+The machine line above the table names the CPU, its vector extensions, the threads, the llama.cpp
+build and its calibrated t(B) (scripts/machine.py); a cycle over 10 times its run's median and over
+0.25 s is a stall, left out of the ratios and listed on its own line.
 llama.cpp's decoders run as subprocesses and do not stop at the requested
 length, so on the code-editing set each llama.cpp run is paired with a run of
 auto for as many tokens as it decoded, and the two are compared at equal length.
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +48,9 @@ from edgespec.models import resolve  # noqa: E402
 # to 48 tokens, ngram-mod needs a 24-token match and drafts 48 to 64. Neither reads
 # --spec-draft-n-max, nor -n: a draft may run past the requested length (124-193 tokens for 128).
 LLAMA_CPP_MODES = ("ngram-map-k", "ngram-mod")
+# A cycle this many times its run's median, and this long, is a stall: reported apart from the ratios.
+STALL_FACTOR = 10
+STALL_SECONDS = 0.25
 
 
 def parse_modes(text: str) -> list[tuple[str, int]]:
@@ -87,7 +94,7 @@ def main() -> None:
     prompts = workloads.spec_bench(args.per_category) + workloads.code_edits(args.code_edits)
     config = GenerationConfig(max_tokens=args.max_tokens)
 
-    rows, prompt_tokens = [], []
+    rows, prompt_tokens, stalled = [], [], []
     t_start = time.time()
     for i, (category, text) in enumerate(prompts):
         # every engine loads the same target, so the templated prompt is the same for all
@@ -102,7 +109,11 @@ def main() -> None:
                     out = by_mode[(name, k)].generate(tokens, config)
                     timed[(name, k)] = (out.stats, out.stats.decode_seconds, out.tokens)
             else:
-                timed = lockstep({mode: by_mode[mode] for mode in order}, tokens, config)
+                stalls: dict = {}
+                timed = lockstep({mode: by_mode[mode] for mode in order}, tokens, config, stalls)
+                for (name, k), times in stalls.items():
+                    stalled += [f"{category} prompt {i} repeat {rep} {f'{name}:{k}' if k else name}: {t:.2f} s"
+                                for t in times]
             for (name, k), (s, seconds, output) in timed.items():
                 rows.append(stats_row(category, i, rep, f"{name}:{k}" if k else name, s, seconds, output))
         if tool is not None and category == "code-edit":
@@ -132,13 +143,14 @@ def main() -> None:
         mode_names += [f"llama.cpp {s}" for s in LLAMA_CPP_MODES]
     print(machine.line(where))
     report(rows, mode_names)
+    print(f"\nstalled cycles, left out of the ratios above: {'; '.join(stalled) if stalled else 'none'}")
     if args.repeats > 1:
         print("\nthe same, counting per prompt and mode only its fastest repeat (a burst of load from elsewhere"
               " slows one repeat, not both)")
         report(fastest_repeats(rows), mode_names)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "machine": where, "rows": rows,
-                                    "prompts": prompt_tokens}, indent=1))
+                                    "stalls": stalled, "prompts": prompt_tokens}, indent=1))
     if args.plot:
         plot(rows, mode_names, args.out.with_suffix(".png"))
 
@@ -150,30 +162,43 @@ def stats_row(category: str, prompt: int, repeat: int, mode: str, s, seconds: fl
             "output": list(output)}
 
 
-def lockstep(engines: dict, tokens: list[int], config: GenerationConfig) -> dict:
+def lockstep(engines: dict, tokens: list[int], config: GenerationConfig, stalls: dict | None = None) -> dict:
     """Generate with every engine at once, one cycle at a time, the one furthest behind next.
 
     Each engine's decode time is the sum of its own cycles, so a slow spell of the machine
     (other tenants, frequency) falls on all of them at the same positions of the answer
-    instead of on whichever whole run it hit. Returns {key: (stats, decode seconds, output tokens)}.
+    instead of on whichever whole run it hit. Returns {key: (stats, decode seconds, output tokens)};
+    with `stalls`, the stalled cycles are left out of the seconds and listed there (see lockstep_streams).
     """
-    return lockstep_streams({key: e.stream(tokens, config) for key, e in engines.items()})
+    return lockstep_streams({key: e.stream(tokens, config) for key, e in engines.items()}, stalls)
 
 
-def lockstep_streams(streams: dict) -> dict:
-    """`lockstep` over any Engine.stream iterators (e.g. one engine's slots under different configs)."""
+def lockstep_streams(streams: dict, stalls: dict | None = None) -> dict:
+    """`lockstep` over any Engine.stream iterators (e.g. one engine's slots under different configs).
+
+    With a `stalls` dict, a cycle over STALL_FACTOR times the median of its stream and over STALL_SECONDS
+    (a page-in after idling, another tenant's burst) is taken out of that stream's seconds and recorded
+    in stalls[key], so that one stall is reported on its own rather than decide a category."""
     done, seconds = {}, dict.fromkeys(streams, 0.0)
     outputs: dict = {key: [] for key in streams}
+    cycles: dict = {key: [] for key in streams}
     for key, stream in streams.items():
         outputs[key] += next(stream).tokens  # prefill and the first token: not decode time
     while len(done) < len(streams):
         key = min((k for k in streams if k not in done), key=lambda k: len(outputs[k]))
         t = time.perf_counter()
         chunk = next(streams[key])
-        seconds[key] += time.perf_counter() - t
+        cycles[key].append(time.perf_counter() - t)
+        seconds[key] += cycles[key][-1]
         outputs[key] += chunk.tokens
         if chunk.stats is not None:
             done[key] = (chunk.stats, seconds[key], outputs[key])
+    if stalls is not None:
+        for key, times in cycles.items():
+            bar = max(STALL_SECONDS, STALL_FACTOR * statistics.median(times))
+            stalls[key] = [t for t in times if t > bar]
+            s, secs, out = done[key]
+            done[key] = (s, secs - sum(stalls[key]), out)
     return {key: done[key] for key in streams}
 
 

@@ -138,7 +138,8 @@ def replay(args: argparse.Namespace) -> None:
     costs = Costs(tuple(curve), tuple(calibrated))
     traces = json.loads(args.traces.read_text())
     # One proposer for all prompts, as in the benchmark: its estimates carry over between requests.
-    auto = AutoProposer(NgramProposer(lambda t: False), None, CostTracker(costs), confidence_z=args.z)
+    auto = AutoProposer(NgramProposer(lambda t: False), None, CostTracker(costs), confidence_z=args.z,
+                        carry=args.carry)
     passes = itertools.count()
 
     def load() -> float:
@@ -171,6 +172,7 @@ def main() -> None:
     rep.add_argument("--curve", default=DEFAULT_CURVE, help="t(B)/t(1) for B = 1, 2, 4, 8, 16, 32, 64")
     rep.add_argument("--calibrated", help="the curve auto starts from (default: --curve)")
     rep.add_argument("--z", type=float, default=CONFIDENCE_Z, help="confidence gate; 0 turns it off")
+    rep.add_argument("--carry", type=float, default=1.0, help="weight lookup's counts keep between prompts")
     rep.add_argument("--max-tokens", type=int, default=128)
     rep.add_argument("--load", type=float, default=1.0, help="cost factor auto sees in every other spell")
     rep.add_argument("--spell", type=int, default=50, help="passes per spell of --load")

@@ -100,3 +100,15 @@ def test_an_untried_draft_position_is_expected_to_do_as_the_one_before():
     assert abs(auto.draft_accept.chain(3)[2] - first) < 1e-9 and first > 0.7
     bets = Bets(draft=auto.draft_accept.chain(7))
     assert choose_proposal(costs, bets, 7) == ("draft", 3)
+
+
+def test_discount_lets_a_new_text_move_the_estimate_sooner():
+    t = AcceptanceTracker(decay=1.0, prior=lambda key: 0.5)
+    for _ in range(8):
+        t.update(1, True)
+    kept = AcceptanceTracker(decay=1.0, prior=lambda key: 0.5)
+    kept._counts = dict(t._counts)
+    t.discount(0.5)
+    assert t._counts[1] == (4.0, 4.0)
+    t.update(1, False), kept.update(1, False)
+    assert t.get(1) < kept.get(1)  # one failure on the new text counts for more after the discount

@@ -25,16 +25,18 @@ class AutoProposer:
     name = "auto"
 
     def __init__(self, ngram: NgramProposer, draft: DraftProposer | None, costs: CostTracker,
-                 confidence_z: float = CONFIDENCE_Z) -> None:
+                 confidence_z: float = CONFIDENCE_Z, carry: float = 1.0) -> None:
         self.ngram, self.draft, self.cost_tracker = ngram, draft, costs
         self.ngram_accept = AcceptanceTracker(prior=match_prior)  # keyed by match_class of the match length
         self.draft_accept = AcceptanceTracker()  # keyed by draft position, read as a chain (AcceptanceTracker.chain)
         self.confidence_z = confidence_z  # standard errors below its estimates a lookup bet must still pay
+        self.carry = carry  # weight lookup's counts keep from one generation to the next
         self._chosen: Proposal = Proposal(source="none")
         self._shadow: tuple[int, list[int], int] | None = None  # (context length, n-gram tokens, match length)
 
     def begin(self, prompt: Sequence[int], cfg: SamplingConfig, rng: np.random.Generator) -> None:
         self.ngram.begin(prompt, cfg, rng)
+        self.ngram_accept.discount(self.carry)
         if self.draft is not None:
             self.draft.begin(prompt, cfg, rng)
         self._shadow = None

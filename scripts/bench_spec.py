@@ -9,8 +9,8 @@ times. Per category the script reports decode tok/s (tokens after the first,
 over decode time, summed over prompts and repeats), its ratio to plain decoding
 in the same run, and acceptance. Greedy, as Spec-Bench is usually reported.
 The machine line above the table names the CPU, its vector extensions, the threads, the llama.cpp
-build and its calibrated t(B) (scripts/machine.py); a cycle over 10 times its run's median and over
-0.25 s is a stall, left out of the ratios and listed on its own line.
+build and its calibrated t(B) (scripts/machine.py); a cycle dearer than twice the largest draft and
+verify batch (calibrated) is a stall, left out of the ratios and listed on its own line.
 llama.cpp's decoders run as subprocesses and do not stop at the requested
 length, so on the code-editing set each llama.cpp run is paired with a run of
 auto for as many tokens as it decoded, and the two are compared at equal length.
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,15 +41,16 @@ import machine  # noqa: E402
 import workloads  # noqa: E402
 
 from edgespec import Engine, GenerationConfig, LoadConfig  # noqa: E402
+from edgespec.config import MAX_K  # noqa: E402
 from edgespec.models import resolve  # noqa: E402
 
 # llama.cpp's n-gram speculation at its defaults: ngram-map-k looks up a 12-token key and drafts up
 # to 48 tokens, ngram-mod needs a 24-token match and drafts 48 to 64. Neither reads
 # --spec-draft-n-max, nor -n: a draft may run past the requested length (124-193 tokens for 128).
 LLAMA_CPP_MODES = ("ngram-map-k", "ngram-mod")
-# A cycle this many times its run's median, and this long, is a stall: reported apart from the ratios.
-STALL_FACTOR = 10
-STALL_SECONDS = 0.25
+# A cycle dearer than this many times the largest draft and verify batch (calibrated; no cycle costs more
+# than one of each) is a stall: a page-in after idling, another tenant. Reported apart.
+STALL_FACTOR = 2
 
 
 def parse_modes(text: str) -> list[tuple[str, int]]:
@@ -88,6 +88,8 @@ def main() -> None:
     by_mode = {(name, k): Engine(args.model, k=k or None, load=load, **kinds[name]) for name, k in modes}
     plain, auto = by_mode[("none", 0)], by_mode.get(("auto", 0))
     where = machine.record(plain.target, args.threads)
+    drafting = max((e.costs.draft_seconds_per_token or 0.0 for e in by_mode.values() if e.costs), default=0.0)
+    stall_bar = STALL_FACTOR * (where["t1_ms"] * where["t_ratio"][-1] / 1e3 + MAX_K * drafting)
     for note in auto.notes if auto is not None else ():
         print(f"auto: {note}", file=sys.stderr)
     tool = llama_tools.tool("llama-speculative-simple", build=True) if args.llama_cpp else None
@@ -110,7 +112,7 @@ def main() -> None:
                     timed[(name, k)] = (out.stats, out.stats.decode_seconds, out.tokens)
             else:
                 stalls: dict = {}
-                timed = lockstep({mode: by_mode[mode] for mode in order}, tokens, config, stalls)
+                timed = lockstep({mode: by_mode[mode] for mode in order}, tokens, config, stalls, stall_bar)
                 for (name, k), times in stalls.items():
                     stalled += [f"{category} prompt {i} repeat {rep} {f'{name}:{k}' if k else name}: {t:.2f} s"
                                 for t in times]
@@ -143,7 +145,8 @@ def main() -> None:
         mode_names += [f"llama.cpp {s}" for s in LLAMA_CPP_MODES]
     print(machine.line(where))
     report(rows, mode_names)
-    print(f"\nstalled cycles, left out of the ratios above: {'; '.join(stalled) if stalled else 'none'}")
+    print(f"\nstalled cycles (over {stall_bar:.2f} s: twice the largest draft and verify batch), left out of "
+          f"the ratios above: {'; '.join(stalled) if stalled else 'none'}")
     if args.repeats > 1:
         print("\nthe same, counting per prompt and mode only its fastest repeat (a burst of load from elsewhere"
               " slows one repeat, not both)")
@@ -162,7 +165,8 @@ def stats_row(category: str, prompt: int, repeat: int, mode: str, s, seconds: fl
             "output": list(output)}
 
 
-def lockstep(engines: dict, tokens: list[int], config: GenerationConfig, stalls: dict | None = None) -> dict:
+def lockstep(engines: dict, tokens: list[int], config: GenerationConfig, stalls: dict | None = None,
+             stall_seconds: float = float("inf")) -> dict:
     """Generate with every engine at once, one cycle at a time, the one furthest behind next.
 
     Each engine's decode time is the sum of its own cycles, so a slow spell of the machine
@@ -170,15 +174,15 @@ def lockstep(engines: dict, tokens: list[int], config: GenerationConfig, stalls:
     instead of on whichever whole run it hit. Returns {key: (stats, decode seconds, output tokens)};
     with `stalls`, the stalled cycles are left out of the seconds and listed there (see lockstep_streams).
     """
-    return lockstep_streams({key: e.stream(tokens, config) for key, e in engines.items()}, stalls)
+    return lockstep_streams({key: e.stream(tokens, config) for key, e in engines.items()}, stalls, stall_seconds)
 
 
-def lockstep_streams(streams: dict, stalls: dict | None = None) -> dict:
+def lockstep_streams(streams: dict, stalls: dict | None = None, stall_seconds: float = float("inf")) -> dict:
     """`lockstep` over any Engine.stream iterators (e.g. one engine's slots under different configs).
 
-    With a `stalls` dict, a cycle over STALL_FACTOR times the median of its stream and over STALL_SECONDS
-    (a page-in after idling, another tenant's burst) is taken out of that stream's seconds and recorded
-    in stalls[key], so that one stall is reported on its own rather than decide a category."""
+    With a `stalls` dict and `stall_seconds`, a cycle longer than that is taken out of its stream's
+    seconds and recorded in stalls[key], so that one stall is reported on its own rather than decide a
+    category."""
     done, seconds = {}, dict.fromkeys(streams, 0.0)
     outputs: dict = {key: [] for key in streams}
     cycles: dict = {key: [] for key in streams}
@@ -195,8 +199,7 @@ def lockstep_streams(streams: dict, stalls: dict | None = None) -> dict:
             done[key] = (chunk.stats, seconds[key], outputs[key])
     if stalls is not None:
         for key, times in cycles.items():
-            bar = max(STALL_SECONDS, STALL_FACTOR * statistics.median(times))
-            stalls[key] = [t for t in times if t > bar]
+            stalls[key] = [t for t in times if t > stall_seconds]
             s, secs, out = done[key]
             done[key] = (s, secs - sum(stalls[key]), out)
     return {key: done[key] for key in streams}

@@ -157,7 +157,34 @@ def devices() -> list[Device]:
     return out
 
 
-class Model:
+class FirstSequence:
+    """A model used as its own first KV sequence (`sequences[0]`), as the draft proposer and calibration use it;
+    the llama.cpp model and the ONNX draft (ort.OnnxModel) share it."""
+
+    sequences: list
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.sequences[0].tokens
+
+    @property
+    def n_past(self) -> int:
+        return self.sequences[0].n_past
+
+    def decode(self, tokens: Sequence[int], n_outputs: int = 1) -> np.ndarray:
+        return self.sequences[0].decode(tokens, n_outputs)
+
+    def trim(self, n_keep: int) -> int:
+        return self.sequences[0].trim(n_keep)
+
+    def shared_prefix(self, tokens: Sequence[int]) -> int:
+        return self.sequences[0].shared_prefix(tokens)
+
+    def keep_prefix_of(self, tokens: Sequence[int]) -> int:
+        return self.sequences[0].keep_prefix_of(tokens)
+
+
+class Model(FirstSequence):
     """A loaded GGUF and its one-sequence KV cache."""
 
     def __init__(self, path: str | Path, cfg: LoadConfig | None = None, *, facts_only: bool = False) -> None:
@@ -219,27 +246,7 @@ class Model:
         self.sequences = [KVSequence(self, i) for i in range(cfg.n_seq)]
         self._pieces: dict[int, bytes] = {}
 
-    # -- decoding: sequence 0 ---------------------------------------------------
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.sequences[0].tokens
-
-    @property
-    def n_past(self) -> int:
-        return self.sequences[0].n_past
-
-    def decode(self, tokens: Sequence[int], n_outputs: int = 1) -> np.ndarray:
-        return self.sequences[0].decode(tokens, n_outputs)
-
-    def trim(self, n_keep: int) -> int:
-        return self.sequences[0].trim(n_keep)
-
-    def shared_prefix(self, tokens: Sequence[int]) -> int:
-        return self.sequences[0].shared_prefix(tokens)
-
-    def keep_prefix_of(self, tokens: Sequence[int]) -> int:
-        return self.sequences[0].keep_prefix_of(tokens)
+    # -- decoding: sequence 0 (FirstSequence), and its last position ---------------
 
     def pos_max(self) -> int:
         return self.sequences[0].pos_max()

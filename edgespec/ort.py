@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import functools
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from edgespec.backend import KVSequence
+from edgespec.backend import FirstSequence, KVSequence
 from edgespec.config import DEFAULT_N_BATCH, DEFAULT_N_CTX, DRAFT_DEVICES, LoadConfig
 from edgespec.errors import ContextOverflowError, EdgespecError, InvalidModelError, InvalidRequestError
 from edgespec.onnx_files import OnnxDraftFiles, locate
@@ -113,7 +112,7 @@ def _session(path: Path, device: str, n_threads: int) -> Any:
     return sess, got
 
 
-class OnnxModel:
+class OnnxModel(FirstSequence):
     """An ONNX draft: the session, its vocabulary, and one KV sequence per slot (backend.Model's interface)."""
 
     def __init__(self, path: str | Path, cfg: LoadConfig | None = None, device: str = "auto") -> None:
@@ -136,22 +135,6 @@ class OnnxModel:
         self.n_batch = DEFAULT_N_BATCH
         self._slicer = _Slicer(self)
         self.sequences = [OnnxSequence(self) for _ in range(self.cfg.n_seq)]
-
-    # seq 0, as backend.Model
-    n_past = property(lambda self: self.sequences[0].n_past)
-    tokens = property(lambda self: self.sequences[0].tokens)
-
-    def decode(self, tokens: Sequence[int], n_outputs: int = 1) -> np.ndarray:
-        return self.sequences[0].decode(tokens, n_outputs)
-
-    def trim(self, n_keep: int) -> int:
-        return self.sequences[0].trim(n_keep)
-
-    def shared_prefix(self, tokens: Sequence[int]) -> int:
-        return self.sequences[0].shared_prefix(tokens)
-
-    def keep_prefix_of(self, tokens: Sequence[int]) -> int:
-        return self.sequences[0].keep_prefix_of(tokens)
 
     def is_eog(self, token: int) -> bool:
         return self.files.is_eog(token)
@@ -177,18 +160,11 @@ class OnnxSequence:
         self.model = model
         self.tokens: list[int] = []
         self._kv: list[Any] = model._slicer.empty()
-        self.seconds = 0.0
 
-    @property
-    def n_ctx(self) -> int:
-        return self.model.n_ctx
-
-    @property
-    def n_past(self) -> int:
-        return len(self.tokens)
-
-    def is_eog(self, token: int) -> bool:
-        return self.model.is_eog(token)
+    # These read only `model` and `tokens`: the llama.cpp sequence's own.
+    n_ctx = KVSequence.n_ctx
+    n_past = KVSequence.n_past
+    is_eog = KVSequence.is_eog
 
     def decode(self, tokens: Sequence[int], n_outputs: int = 1) -> np.ndarray:
         """Append `tokens`; the logits of the last `n_outputs` of them (edgespec's export gives only the last)."""
@@ -198,11 +174,9 @@ class OnnxSequence:
         if self.n_past + n > md.n_ctx:
             raise ContextOverflowError(f"{self.n_past + n} tokens do not fit the draft's context of {md.n_ctx}; "
                                        f"use a shorter prompt")
-        t0 = time.perf_counter()
         logits = None
         for start in range(0, n, md.n_batch):
             logits = self._run(list(tokens[start:start + md.n_batch]))
-        self.seconds += time.perf_counter() - t0
         assert logits is not None
         return logits[-n_outputs:] if n_outputs else np.empty((0, md.n_vocab), np.float32)
 
@@ -245,7 +219,7 @@ class OnnxSequence:
                                 f"{n_keep}")
         return dropped
 
-    # Both read only `tokens` and `trim`: the llama.cpp sequence's own, so the two caches agree on prefixes.
+    # Both read only `tokens` and `trim`: the two caches agree on prefixes.
     shared_prefix = KVSequence.shared_prefix
     keep_prefix_of = KVSequence.keep_prefix_of
 

@@ -41,18 +41,16 @@ ACCEPT = {"Spec-Bench T=0.7": 0.71, "Spec-Bench greedy": 0.76, "code edits": 0.9
 CONTEXT = 64
 
 
-def per_token(model, rounds: int, n: int) -> float:
-    """Median seconds per single-token pass after a CONTEXT-token prompt, over `rounds` runs of `n` passes."""
-    times = []
-    for _ in range(rounds):
-        model.trim(0)
-        model.decode(list(range(1000, 1000 + CONTEXT)))
-        t = time.perf_counter()
-        for i in range(n):
-            model.decode([2000 + i])
-        times.append((time.perf_counter() - t) / n)
+def per_token(model, n: int) -> float:
+    """Seconds per single-token pass after a CONTEXT-token prompt, over `n` passes."""
     model.trim(0)
-    return statistics.median(times)
+    model.decode(list(range(1000, 1000 + CONTEXT)))
+    t = time.perf_counter()
+    for i in range(n):
+        model.decode([2000 + i])
+    seconds = (time.perf_counter() - t) / n
+    model.trim(0)
+    return seconds
 
 
 def main() -> None:
@@ -96,7 +94,7 @@ def main() -> None:
     samples: dict[str, list[float]] = {name: [] for name in drafts}
     for _ in range(args.rounds):  # round-robin: each round times every draft once
         for name, m in drafts.items():
-            samples[name].append(per_token(m, 1, args.tokens))
+            samples[name].append(per_token(m, args.tokens))
     report(args, target_path, draft_path, t_curve, {n: statistics.median(s) for n, s in samples.items()})
 
 

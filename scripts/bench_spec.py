@@ -13,7 +13,10 @@ build and its calibrated t(B) (scripts/machine.py); a cycle dearer than twice th
 verify batch (calibrated) is a stall, left out of the ratios and listed on its own line.
 llama.cpp's decoders run as subprocesses and do not stop at the requested
 length, so on the code-editing set each llama.cpp run is paired with a run of
-auto for as many tokens as it decoded, and the two are compared at equal length.
+auto for as many tokens as it decoded, and the two are compared at equal length; under a build
+without AVX-512 on an AVX-512 CPU, the tools are built the same way (scripts/llama_tools.py --avx2).
+Per code edit the report sets auto against the oracle of scripts/replay_auto.py on plain decoding's
+output under this run's calibrated curve: the speed of lookup knowing which tokens will be accepted.
 
     python scripts/bench_spec.py --llama-cpp --plot
         # plain decoding and auto; llama.cpp's own n-gram speculation on the code-editing set
@@ -25,8 +28,11 @@ auto for as many tokens as it decoded, and the two are compared at equal length.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import re
+import resource
 import subprocess
 import sys
 import tempfile
@@ -38,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import llama_tools  # noqa: E402
 import machine  # noqa: E402
+import replay_auto  # noqa: E402
 import workloads  # noqa: E402
 
 from edgespec import Engine, GenerationConfig, LoadConfig  # noqa: E402
@@ -71,6 +78,9 @@ def main() -> None:
     ap.add_argument("--plot", action="store_true", help="write a PNG (needs matplotlib)")
     ap.add_argument("--per-category", type=int, default=4, help="Spec-Bench questions per category")
     ap.add_argument("--code-edits", type=int, default=8, help="prompts in the code-editing set")
+    ap.add_argument("--held-out", action="store_true",
+                    help="the next --per-category questions of each category and other standard-library functions: "
+                         "prompts nothing here was tuned on")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--whole-runs", action="store_true",
@@ -92,8 +102,10 @@ def main() -> None:
     stall_bar = STALL_FACTOR * (where["t1_ms"] * where["t_ratio"][-1] / 1e3 + MAX_K * drafting)
     for note in auto.notes if auto is not None else ():
         print(f"auto: {note}", file=sys.stderr)
-    tool = llama_tools.tool("llama-speculative-simple", build=True) if args.llama_cpp else None
-    prompts = workloads.spec_bench(args.per_category) + workloads.code_edits(args.code_edits)
+    same_kernels = where["build_vector"] == "AVX2" and where["cpu_vector"].startswith("AVX-512")
+    tool = llama_tools.tool("llama-speculative-simple", build=True, avx2=same_kernels) if args.llama_cpp else None
+    skip, sources = (args.per_category, workloads.HELD_OUT_SOURCES) if args.held_out else (0, workloads.EDIT_SOURCES)
+    prompts = workloads.spec_bench(args.per_category, skip=skip) + workloads.code_edits(args.code_edits, sources)
     config = GenerationConfig(max_tokens=args.max_tokens)
 
     rows, prompt_tokens, stalled = [], [], []
@@ -114,8 +126,9 @@ def main() -> None:
                 stalls: dict = {}
                 timed = lockstep({mode: by_mode[mode] for mode in order}, tokens, config, stalls, stall_bar)
                 for (name, k), times in stalls.items():
-                    stalled += [f"{category} prompt {i} repeat {rep} {f'{name}:{k}' if k else name}: {t:.2f} s"
-                                for t in times]
+                    stalled += [f"{category} prompt {i} repeat {rep} {f'{name}:{k}' if k else name} at token {at}: "
+                                f"{t:.2f} s, {faults} major page faults, {gc_s:.2f} s garbage collection"
+                                for t, faults, gc_s, at in times]
             for (name, k), (s, seconds, output) in timed.items():
                 rows.append(stats_row(category, i, rep, f"{name}:{k}" if k else name, s, seconds, output))
         if tool is not None and category == "code-edit":
@@ -145,6 +158,8 @@ def main() -> None:
         mode_names += [f"llama.cpp {s}" for s in LLAMA_CPP_MODES]
     print(machine.line(where))
     report(rows, mode_names)
+    if auto is not None:
+        oracle_report(rows, prompt_tokens, dict(zip(where["batches"], where["t_ratio"])))
     print(f"\nstalled cycles (over {stall_bar:.2f} s: twice the largest draft and verify batch), left out of "
           f"the ratios above: {'; '.join(stalled) if stalled else 'none'}")
     if args.repeats > 1:
@@ -181,28 +196,53 @@ def lockstep_streams(streams: dict, stalls: dict | None = None, stall_seconds: f
     """`lockstep` over any Engine.stream iterators (e.g. one engine's slots under different configs).
 
     With a `stalls` dict and `stall_seconds`, a cycle longer than that is taken out of its stream's
-    seconds and recorded in stalls[key], so that one stall is reported on its own rather than decide a
-    category."""
+    seconds and recorded in stalls[key] as (seconds, major page faults, seconds in the garbage collector,
+    tokens generated before it), so that one stall is reported on its own rather than decide a category."""
     done, seconds = {}, dict.fromkeys(streams, 0.0)
     outputs: dict = {key: [] for key in streams}
     cycles: dict = {key: [] for key in streams}
     for key, stream in streams.items():
         outputs[key] += next(stream).tokens  # prefill and the first token: not decode time
-    while len(done) < len(streams):
-        key = min((k for k in streams if k not in done), key=lambda k: len(outputs[k]))
-        t = time.perf_counter()
-        chunk = next(streams[key])
-        cycles[key].append(time.perf_counter() - t)
-        seconds[key] += cycles[key][-1]
-        outputs[key] += chunk.tokens
-        if chunk.stats is not None:
-            done[key] = (chunk.stats, seconds[key], outputs[key])
+    with _gc_timer() as gc_seconds:
+        while len(done) < len(streams):
+            key = min((k for k in streams if k not in done), key=lambda k: len(outputs[k]))
+            faults, gc_before, t = _major_faults(), gc_seconds[0], time.perf_counter()
+            chunk = next(streams[key])
+            cycles[key].append((time.perf_counter() - t, _major_faults() - faults, gc_seconds[0] - gc_before,
+                                len(outputs[key])))
+            seconds[key] += cycles[key][-1][0]
+            outputs[key] += chunk.tokens
+            if chunk.stats is not None:
+                done[key] = (chunk.stats, seconds[key], outputs[key])
     if stalls is not None:
         for key, times in cycles.items():
-            stalls[key] = [t for t in times if t > stall_seconds]
+            stalls[key] = [c for c in times if c[0] > stall_seconds]
             s, secs, out = done[key]
-            done[key] = (s, secs - sum(stalls[key]), out)
+            done[key] = (s, secs - sum(c[0] for c in stalls[key]), out)
     return {key: done[key] for key in streams}
+
+
+def _major_faults() -> int:
+    """Page faults that read from disk: a stall with many of them is the machine paging, not the engine."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+
+
+@contextlib.contextmanager
+def _gc_timer():
+    """Seconds spent in Python's garbage collector while the block runs (a one-element list)."""
+    total, started = [0.0], [0.0]
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            total[0] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(callback)
+    try:
+        yield total
+    finally:
+        gc.callbacks.remove(callback)
 
 
 def run_llama_cpp(tool: Path, model: Path, prompt: str, spec: str, n: int, threads: int):
@@ -330,6 +370,34 @@ def report(rows: list[dict], modes: list[str]) -> None:
             print(f"  {m}: {tps(m):.1f} tok/s ({per_run(m):.0f} tokens per run); auto ÷ it = "
                   f"{tps('auto') / tps(m):.2f}×; auto over the same lengths {tps(same):.1f} tok/s, "
                   f"÷ it = {tps(same) / tps(m):.2f}×")
+
+
+# An edit is copy-heavy when lookup, following the recorded output with any batch, could copy this share of it.
+COPY_HEAVY = 0.75
+
+
+def oracle_report(rows: list[dict], prompts: list[list[int]], curve: dict[int, float]) -> None:
+    """auto against the lookup oracle per code edit (oracle: scripts/replay_auto.py, on plain's output)."""
+    speed: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    for r in rows:
+        if r["category"] == "code-edit" and r["mode"] in ("none", "auto"):
+            speed[(r["prompt"], r["mode"])][0] += r["tokens"]
+            speed[(r["prompt"], r["mode"])][1] += r["seconds"]
+    flat = dict.fromkeys(curve, 1.0)
+    print("\ncode edits: auto against the oracle under this run's calibrated curve\n")
+    print("| edit | copied | auto ÷ plain | oracle ÷ plain | auto ÷ oracle |\n|---|---:|---:|---:|---:|")
+    heavy = []
+    for i in sorted({p for p, m in speed if m == "auto"}):
+        out = next(r["output"] for r in rows if r["prompt"] == i and r["mode"] == "none")
+        steps, _ = replay_auto.oracle_one(prompts[i], out, curve)
+        copied = replay_auto.oracle_one(prompts[i], out, flat)[1] / max(1, len(out) - 1)
+        (n_a, s_a), (n_p, s_p) = speed[(i, "auto")], speed[(i, "none")]
+        auto, oracle = (n_a / s_a) / (n_p / s_p), (len(out) - 1) / steps
+        heavy += [auto / oracle] if copied >= COPY_HEAVY else []
+        print(f"| {i} | {copied:.0%} | {auto:.2f}× | {oracle:.2f}× | {auto / oracle:.0%} |")
+    if heavy:
+        print(f"copy-heavy edits (≥ {COPY_HEAVY:.0%} copied): auto at {min(heavy):.0%}-{max(heavy):.0%} of the "
+              f"oracle, mean {sum(heavy) / len(heavy):.0%}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 Benchmarks compare edgespec with these binaries, so both must come from the same
 llama.cpp commit and the same compiler defaults. The sdist is fetched with pip
-(usually from pip's cache) and built with CMake into .cache/llama.cpp/.
+(usually from pip's cache) and built with CMake into .cache/llama.cpp/build. `--avx2` builds them
+with AVX-512 off, as scripts/build_llama_avx2.sh builds the Python package, into .cache/llama.cpp/build-avx2:
+a benchmark under that package compares with tools that run the same kernels.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_ROOT = ROOT / ".cache" / "llama.cpp"
 TOOLS = ("llama-bench", "llama-completion", "llama-speculative-simple", "llama-lookup")
+# The flags of scripts/build_llama_avx2.sh: the named kernels, not this CPU's best.
+AVX2_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+              "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
+              "-DGGML_AVX_VNNI=OFF")
 
 
 def source_dir() -> Path:
@@ -37,23 +43,25 @@ def source_dir() -> Path:
     return src / "vendor" / "llama.cpp"
 
 
-def tool(name: str, build: bool) -> Path | None:
+def tool(name: str, build: bool, avx2: bool = False) -> Path | None:
     """Path of a built tool; builds all of TOOLS first when asked and missing."""
-    binary = BUILD_ROOT / "build" / "bin" / name
+    build_dir = BUILD_ROOT / ("build-avx2" if avx2 else "build")
+    binary = build_dir / "bin" / name
     if binary.exists():
         return binary
     if not build:
         return None
     src = source_dir()
-    build_dir = BUILD_ROOT / "build"
     subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
-                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"], check=True)
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+                    *(AVX2_FLAGS if avx2 else ())], check=True)
     subprocess.run(["cmake", "--build", str(build_dir), "-j", "2", "--target", *TOOLS], check=True)
     return binary
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.parse_args()
+    ap.add_argument("--avx2", action="store_true", help="AVX-512 off, into .cache/llama.cpp/build-avx2")
+    args = ap.parse_args()
     for t in TOOLS:
-        print(t, tool(t, build=True))
+        print(t, tool(t, build=True, avx2=args.avx2))

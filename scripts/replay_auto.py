@@ -13,7 +13,9 @@ same) and corrects it from the passes it sees, as it does live; with `--load F
 --spell N` those passes cost F times as much in every other spell of N passes
 (load from elsewhere), while the cost reported stays the curve's. It also prints
 an oracle that knows how far each lookup proposal will be accepted and takes the
-best batch size for it: the ceiling for this proposer. Kernel flips under
+best batch size for it: the ceiling for this proposer; and lookup at each fixed
+`--fixed-k` (whatever it proposes, up to K, verified; batch sizes between the curve's
+points are priced by linear interpolation). Kernel flips under
 batched verification are not modelled (the replayed output is always the
 recorded one), so absolute figures read a little high; comparisons between
 versions of the chooser are what it is for.
@@ -49,7 +51,9 @@ def record(args: argparse.Namespace) -> None:
 
     engine = Engine(args.model, proposer="none", load=LoadConfig(n_ctx=4096, n_threads=args.threads))
     traces = []
-    for category, text in workloads.spec_bench(args.per_category) + workloads.code_edits(args.code_edits):
+    skip, sources = (args.per_category, workloads.HELD_OUT_SOURCES) if args.held_out else (0, workloads.EDIT_SOURCES)
+    for category, text in workloads.spec_bench(args.per_category, skip=skip) + workloads.code_edits(args.code_edits,
+                                                                                                   sources):
         prompt = engine.chat_tokens([{"role": "user", "content": text}])
         out = engine.generate(prompt, GenerationConfig(max_tokens=args.max_tokens))
         traces.append({"category": category, "prompt": list(prompt), "output": list(out.tokens)})
@@ -76,8 +80,9 @@ class RecordedTarget:
         start = self.n_past
         self.n_past += len(tokens)
         if self.passes:
-            self.clock += self.curve[len(tokens)] * self.load()
-            self.cost += self.curve[len(tokens)]
+            cost = batch_cost(self.curve, len(tokens))
+            self.clock += cost * self.load()
+            self.cost += cost
         self.passes += 1
         rows = np.zeros((n_outputs, self.eog + 1), dtype=np.float32)
         for r, pos in enumerate(range(self.n_past - n_outputs, self.n_past)):
@@ -96,6 +101,15 @@ class RecordedTarget:
         return token == self.eog
 
 
+def batch_cost(curve: dict[int, float], b: int) -> float:
+    """t(b) in single steps, linear between the curve's batch sizes (a fixed K's shorter proposals)."""
+    if b in curve:
+        return curve[b]
+    lo = max(x for x in curve if x < b)
+    hi = min(x for x in curve if x > b)
+    return curve[lo] + (curve[hi] - curve[lo]) * (b - lo) / (hi - lo)
+
+
 def dense(traces: list[dict]) -> list[tuple[list[int], list[int]]]:
     """(prompt, output) of every trace in one dense id space shared by all traces."""
     ids: dict[int, int] = {}
@@ -103,23 +117,25 @@ def dense(traces: list[dict]) -> list[tuple[list[int], list[int]]]:
     return [(remap(tr["prompt"]), remap(tr["output"])) for tr in traces]
 
 
-def replay_one(prompt: list[int], out: list[int], curve: dict[int, float], auto: AutoProposer,
-               load: Callable[[], float] = lambda: 1.0) -> float:
-    """Cost in single steps of generating `out` after `prompt` with `auto`, through the engine's loop."""
+def replay_one(prompt: list[int], out: list[int], curve: dict[int, float], auto: AutoProposer | NgramProposer,
+               load: Callable[[], float] = lambda: 1.0, k: int | None = None) -> float:
+    """Cost in single steps of generating `out` after `prompt` with `auto` (or lookup at a fixed `k`),
+    through the engine's loop."""
     target = RecordedTarget(prompt + out, curve, load)
     steps = loop.steps(target, auto, prompt, GenerationConfig(max_tokens=len(out)), loop.Stats(),
-                       threading.Event(), min(MAX_K, max(curve) - 1), clock=lambda: target.clock)
+                       threading.Event(), min(MAX_K, max(curve) - 1), user_k=k, clock=lambda: target.clock)
     made = [t for step in steps for t in step.tokens]
     assert made == out, "the replay left the recorded output"
     return target.cost
 
 
-def oracle_one(prompt: list[int], out: list[int], curve: dict[int, float]) -> float:
-    """Cost in single steps with lookup and, each cycle, the batch size that commits most per step."""
+def oracle_one(prompt: list[int], out: list[int], curve: dict[int, float]) -> tuple[float, int]:
+    """Cost in single steps with lookup and, each cycle, the batch size that commits most per step; and
+    how many tokens it committed from lookup's proposals (the output's copied share)."""
     lookup = NgramProposer(lambda t: False)
     committed = prompt + out[:1]
     lookup.begin(committed)
-    pos, cost = 1, 0.0
+    pos, cost, copied = 1, 0.0, 0
     while pos < len(out):
         k = min(max(curve) - 1, len(out) - pos - 1)
         draft = lookup.propose(committed, k).tokens if k > 0 else []
@@ -129,7 +145,8 @@ def oracle_one(prompt: list[int], out: list[int], curve: dict[int, float]) -> fl
         cost += curve[b]
         committed = committed + out[pos : pos + n + 1]
         pos += n + 1
-    return cost
+        copied += n
+    return cost, copied
 
 
 def replay(args: argparse.Namespace) -> None:
@@ -145,16 +162,22 @@ def replay(args: argparse.Namespace) -> None:
     def load() -> float:
         return args.load if (next(passes) // args.spell) % 2 else 1.0
 
-    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])  # tokens, auto steps, oracle steps
+    fixed = [int(k) for k in args.fixed_k.split(",")] if args.fixed_k else []
+    # per category: tokens, auto steps, oracle steps, then steps at each fixed k
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0] + [0.0] * len(fixed))
     for tr, (prompt, output) in zip(traces, dense(traces)):
         out = output[: args.max_tokens]
         t = totals[tr["category"]]
         t[0] += len(out) - 1
         t[1] += replay_one(prompt, out, curve, auto, load)
-        t[2] += oracle_one(prompt, out, curve)
-    print("| category | auto ÷ plain | oracle ÷ plain |\n|---|---:|---:|")
-    for cat, (n, steps, oracle) in totals.items():
-        print(f"| {cat} | {n / steps:.2f}× | {n / oracle:.2f}× |")
+        t[2] += oracle_one(prompt, out, curve)[0]
+        for i, k in enumerate(fixed):
+            t[3 + i] += replay_one(prompt, out, curve, NgramProposer(lambda t: False), load, k)
+    print("| category | auto ÷ plain | oracle ÷ plain | auto ÷ oracle |" + "".join(f" lookup k={k} |" for k in fixed))
+    print("|---|---:|---:|---:|" + "---:|" * len(fixed))
+    for cat, (n, steps, oracle, *at_k) in totals.items():
+        print(f"| {cat} | {n / steps:.2f}× | {n / oracle:.2f}× | {oracle / steps:.0%} |"
+              + "".join(f" {n / s:.2f}× |" for s in at_k))
 
 
 def main() -> None:
@@ -166,6 +189,7 @@ def main() -> None:
     rec.add_argument("--code-edits", type=int, default=8)
     rec.add_argument("--max-tokens", type=int, default=160)
     rec.add_argument("--threads", type=int, default=2)
+    rec.add_argument("--held-out", action="store_true", help="the prompts of bench_spec.py --held-out")
     rec.add_argument("--out", type=Path, default=Path("bench-results/traces.json"))
     rep = sub.add_parser("replay")
     rep.add_argument("traces", type=Path)
@@ -176,6 +200,7 @@ def main() -> None:
     rep.add_argument("--max-tokens", type=int, default=128)
     rep.add_argument("--load", type=float, default=1.0, help="cost factor auto sees in every other spell")
     rep.add_argument("--spell", type=int, default=50, help="passes per spell of --load")
+    rep.add_argument("--fixed-k", default="", help="also lookup at these fixed K, e.g. 2,4,8,16")
     args = ap.parse_args()
     record(args) if args.command == "record" else replay(args)
 

@@ -112,6 +112,9 @@ _engine_options = _options(
     click.option("--mmap/--no-mmap", default=None,
                  help="Map the weights from the file, or read them into memory [default: map; serve reads, so "
                       "that a model file overwritten in place cannot crash it]."),
+    click.option("--memory/--no-memory", default=None,
+                 help="Remember what edgespec writes (beside the model cache, readable by you alone) and speculate "
+                      "from it in later requests [default: on; serve: on for a loopback --host only]."),
     click.option("-q", "--quiet", is_flag=True, help="No progress, notes or stats on stderr."),
     _source_option,
 )
@@ -199,7 +202,7 @@ def _progress(show: bool) -> _FetchBar | None:
     return _FetchBar() if show else None
 
 
-def _engine_config(o: dict[str, Any], mmap: bool = True, n_seq: int = 1) -> EngineConfig:
+def _engine_config(o: dict[str, Any], mmap: bool = True, n_seq: int = 1, memory: bool = True) -> EngineConfig:
     """The EngineConfig the engine options describe; `mmap` is the command's default for --mmap."""
     return EngineConfig(o["model"], o["draft"], o["proposer"], o["k"],
                         LoadConfig(n_ctx=o["n_ctx"], n_threads=default_threads() if o["threads"] is None
@@ -207,7 +210,7 @@ def _engine_config(o: dict[str, Any], mmap: bool = True, n_seq: int = 1) -> Engi
                                    mmap=mmap if o["mmap"] is None else o["mmap"], n_seq=n_seq,
                                    n_gpu_layers=-1 if o["gpu_layers"] is None else o["gpu_layers"]),
                         parse_size(o["memory_budget"]) if o["memory_budget"] else None, o["source"],
-                        o["draft_gpu_layers"], o["draft_device"])
+                        o["draft_gpu_layers"], o["draft_device"], memory if o["memory"] is None else o["memory"])
 
 
 def _open_engine(o: dict[str, Any], config: EngineConfig | None = None):
@@ -379,7 +382,9 @@ def _answer(session: Any, text: str, quiet: bool) -> None:
 @click.option("--host", default=DEFAULT_HOST, show_default=True,
               help="Address to bind; anything but loopback needs --api-key.")
 @click.option("--port", type=int, default=DEFAULT_PORT, show_default=True)
-@click.option("--api-key", default=None, envvar="EDGESPEC_API_KEY", help="Require 'Authorization: Bearer KEY' (env EDGESPEC_API_KEY).")
+@click.option("--api-key", "api_keys", multiple=True, envvar="EDGESPEC_API_KEY",
+              help="Require 'Authorization: Bearer KEY' (repeatable: each key's requests have a memory of their own; "
+                   "env EDGESPEC_API_KEY, keys separated by spaces).")
 @click.option("--cors-origin", "cors_origins", multiple=True, help="Allow browser requests from this origin (repeatable); none by default.")
 @click.option("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, show_default=True)
 @click.option("--infill-cancel-older", is_flag=True, help="A newer /infill request cancels older ones still running.")
@@ -391,18 +396,20 @@ def _answer(session: Any, text: str, quiet: bool) -> None:
 @click.option("--shutdown-grace", type=click.FloatRange(min=0), default=SHUTDOWN_GRACE_SECONDS, show_default=True,
               help="Seconds requests in flight get after SIGTERM or Ctrl-C before they are cancelled.")
 @_errors
-def serve(host: str, port: int, api_key: str | None, cors_origins: tuple[str, ...], max_body_bytes: int,
+def serve(host: str, port: int, api_keys: tuple[str, ...], cors_origins: tuple[str, ...], max_body_bytes: int,
           infill_cancel_older: bool, n_seq: int, keepalive: float, shutdown_grace: float, **o: Any) -> None:
     """Serve OpenAI-compatible and llama.cpp-style (/infill, /completion) endpoints."""
     try:
         from edgespec.server import Settings, create_app, is_loopback, serve as run_server
     except ImportError as e:
         raise click.ClickException(f"the server needs its extra ({e.name} is missing): pip install 'edgespec[server]'")
-    if not is_loopback(host) and not api_key:
+    if not is_loopback(host) and not api_keys:
         raise click.ClickException(f"refusing to listen on {host} without an API key: anyone who can reach it "
                                    f"could use it; pass --api-key KEY, or keep the default --host 127.0.0.1")
-    config = _engine_config(o, mmap=False, n_seq=n_seq)  # bad options end here, in one line, before the port opens
-    settings = Settings(host=host, port=port, api_key=api_key, cors_origins=cors_origins,
+    # Bad options end here, in one line, before the port opens. Memory: on by default only where text stays local.
+    config = _engine_config(o, mmap=False, n_seq=n_seq, memory=is_loopback(host))
+    settings = Settings(host=host, port=port, api_key=api_keys[0] if api_keys else None, api_keys=api_keys[1:],
+                        cors_origins=cors_origins,
                         max_body_bytes=max_body_bytes, infill_cancel_older=infill_cancel_older,
                         model_name=Path(o["model"]).name, keepalive_seconds=keepalive)
     if not o["quiet"]:
@@ -609,6 +616,41 @@ def info(as_json: bool) -> None:
                 click.echo(f"  {v}")
         else:
             click.echo(f"{key}: {value}")
+
+
+@cli.group("memory")
+def memory_group() -> None:
+    """What edgespec remembers of its earlier answers (to speculate from): show it, or clear it."""
+
+
+@memory_group.command("show")
+@click.option("--json", "as_json", is_flag=True)
+def memory_show(as_json: bool) -> None:
+    """Every memory file: its model, namespace (local, or an API key's hash), entries and tokens."""
+    from edgespec.memory import files
+    from edgespec.models.store import memory_dir
+
+    rows = files(memory_dir())
+    if as_json:
+        click.echo(json.dumps({"dir": str(memory_dir()), "files": [
+            {"path": str(f.path), "model": f.model, "namespace": f.namespace, "entries": f.entries,
+             "tokens": f.tokens, "bytes": f.bytes, "saved": f.saved, "problem": f.problem} for f in rows]}, indent=2))
+        return
+    click.echo(f"memory: {memory_dir()}" + ("" if rows else " (empty)"))
+    for f in rows:
+        click.echo(f"{f.model:<44} {f.namespace:<18} {f.entries:>6} entries {f.tokens:>9} tokens "
+                   f"{f.bytes / 2**20:>7.2f} MiB  {f.problem}")
+
+
+@memory_group.command("clear")
+@click.option("-m", "--model", default=None, help="Only this model's memory (its folder name, as `memory show` lists).")
+def memory_clear(model: str | None) -> None:
+    """Delete the memory files (of every model, or of one); the next generation starts from nothing."""
+    from edgespec.memory import clear
+    from edgespec.models.store import memory_dir
+
+    gone = clear(memory_dir(), model)
+    click.echo(f"removed {len(gone)} memory file{'s' if len(gone) != 1 else ''} from {memory_dir()}")
 
 
 def main() -> None:

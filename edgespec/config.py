@@ -42,6 +42,10 @@ OPENAI_CHAT_MAX_TOKENS = 1024
 OPENAI_TEMPERATURE = 1.0
 LLAMA_N_PREDICT = 128
 LLAMA_TEMPERATURE = 0.8
+# Cross-request memory (memory.py): the namespace of the machine's own user (CLI, Python API, a server without keys);
+# a server's API keys each get one of their own. A namespace is also a file name, so it is kept to these characters.
+MEMORY_LOCAL = "local"
+MEMORY_NAMESPACE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
 
 def default_threads() -> int:
@@ -155,6 +159,9 @@ class GenerationConfig:
     json_schema: dict | None = None
     grammar_trigger: str | None = None  # the grammar applies from this text on, the output before it is free
     logprobs: int | None = None  # None: none; n >= 0: each token's log-probability and its row's n best
+    # The memory namespace this generation is proposed from and added to, where the engine keeps a memory
+    # (EngineConfig.memory); None: neither (the server's "memory": false).
+    memory: str | None = MEMORY_LOCAL
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 0:
@@ -174,6 +181,9 @@ class GenerationConfig:
             raise InvalidRequestError(f"json_schema must be a JSON object (a schema), not {self.json_schema!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"logprobs {self.logprobs} must be in 0..{MAX_LOGPROBS} (alternatives per token)")
+        if self.memory is not None and not (0 < len(self.memory) <= 64 and set(self.memory) <= MEMORY_NAMESPACE_CHARS):
+            raise InvalidRequestError(f"memory namespace {self.memory!r} must be 1-64 letters, digits, '_' or '-'; "
+                                      f"or None for no memory")
 
 
 @dataclass(frozen=True)
@@ -190,6 +200,9 @@ class EngineConfig:
     # The draft's layers on the GPU (llama.cpp's -ngld); None: the plan's. The target's: load.n_gpu_layers.
     draft_gpu_layers: int | None = None
     draft_device: str = "auto"  # an ONNX draft's execution provider (DRAFT_DEVICES)
+    # Keep a memory of what this engine wrote (memory.py, beside the model cache) and let auto propose from it.
+    # On for local use; `edgespec serve` turns it on only for a loopback bind unless --memory says so.
+    memory: bool = True
 
     def __post_init__(self) -> None:
         if self.proposer not in PROPOSERS:

@@ -24,12 +24,14 @@ from edgespec.errors import (ContextOverflowError, EdgespecError, InvalidRequest
                              UnsupportedModelError)
 from edgespec.loop import FinishReason, Stats
 from edgespec.models import ProgressCallback, resolve
-from edgespec.models.store import calibration_dir
+from edgespec.memory import PROMPT_TAIL, MemoryBank, model_key, tokenizer_fingerprint
+from edgespec.models.store import calibration_dir, memory_dir
 from edgespec.onnx_files import OnnxDraftFiles, is_onnx, locate
 from edgespec.policy import DRAFT_ACCEPT_CEILING, DRAFT_P_MIN, Costs, draft_can_pay
 from edgespec.proposers import Proposer
 from edgespec.proposers.auto import AutoProposer
 from edgespec.proposers.draft import DraftProposer, check_compatible
+from edgespec.proposers.memory import MemoryProposer
 from edgespec.proposers.ngram import NgramProposer
 from edgespec.rules import Rules
 from edgespec.sampling import TokenLogprob
@@ -174,6 +176,9 @@ class Engine:
         self._free = threading.Condition()  # guards Slot.busy; notified when a slot is released
         self._turn = FairLock()  # one target pass at a time: generations in other slots interleave by cycle
         self._running: set[threading.Event] = set()  # cancel events of the generations under way
+        # What this engine wrote, per namespace, beside the model cache (memory.py): files read at first use.
+        self.memory = MemoryBank(memory_dir() / model_key(self.target.path), self._tokenizer_fingerprint) \
+            if self.config.memory else None
 
     def _resolve(self, progress: ProgressCallback | None) -> tuple[Path, Path | None]:
         """Fetch or find both models, plan their memory, and settle what loads where."""
@@ -259,7 +264,13 @@ class Engine:
 
     def _auto(self, drafter: DraftProposer | None) -> AutoProposer:
         assert self.cost_tracker is not None
-        return AutoProposer(NgramProposer(self.target.is_eog), drafter, self.cost_tracker)
+        auto = AutoProposer(NgramProposer(self.target.is_eog), drafter, self.cost_tracker)
+        if self.config.memory:
+            auto.memory = MemoryProposer(self.target.is_eog)  # which memory it reads is set per generation
+        return auto
+
+    def _tokenizer_fingerprint(self) -> str:
+        return tokenizer_fingerprint(self.target.vocab, self.target.token_piece, self.target.n_vocab)
 
     @property
     def proposer(self) -> Proposer | None:
@@ -285,6 +296,8 @@ class Engine:
         return self.target.n_vocab
 
     def close(self) -> None:
+        if self.memory is not None:
+            self.memory.close()  # saves what was written since the last save
         for slot in self.slots:
             if slot.proposer is not None:
                 slot.proposer.close()
@@ -396,13 +409,29 @@ class Engine:
                 yield Chunk("", [], [], "cancelled", Stats(prompt_tokens=len(prompt_tokens)))
                 return
             try:
-                yield from self._stream(slot, prompt_tokens, config, stop, cancel, rules)
+                yield from self._remembered(slot, prompt_tokens, config,
+                                            self._stream(slot, prompt_tokens, config, stop, cancel, rules))
             finally:
                 with self._free:
                     slot.busy, slot.last_used = False, time.monotonic()
                     self._free.notify()
         finally:
             self._running.discard(cancel)
+
+    def _remembered(self, slot: _Slot, prompt: list[int], config: GenerationConfig,
+                    chunks: Iterator[Chunk]) -> Iterator[Chunk]:
+        """`chunks`, with the slot's auto proposer reading the memory of this generation's namespace meanwhile; what
+        it wrote goes into that memory before the last chunk goes out (a consumer may stop reading at it)."""
+        memory = self.memory.get(config.memory) if self.memory is not None and config.memory is not None else None
+        reader = slot.proposer.memory if isinstance(slot.proposer, AutoProposer) else None
+        if reader is not None:
+            reader.memory = memory
+        written: list[int] = []
+        for chunk in chunks:
+            written += chunk.tokens
+            if chunk.finish_reason is not None and memory is not None:
+                memory.add([*prompt[-PROMPT_TAIL:], *written])
+            yield chunk
 
     def _acquire(self, prompt: list[int], cancel: threading.Event, wanted: int | None) -> _Slot | None:
         """A free slot: `wanted` (modulo the slot count) if it is free, else the one whose cache shares the

@@ -111,19 +111,22 @@ class Bets:
     ngram_low: Sequence[float] = ()  # the same estimates, CONFIDENCE_Z standard errors lower
     draft: Sequence[float] | None = None  # per draft position; None without a draft model
     draft_lag: int = 0  # tokens the draft must decode before its first proposal
+    memory: Sequence[float] = ()  # per token of the memory's proposal (earlier requests' text); priced as lookup's
+    memory_low: Sequence[float] = ()
 
 
 def choose_proposal(costs: Costs, bets: Bets, k: int) -> tuple[str, int]:
-    """("none", 0), ("ngram", k) or ("draft", k): the bet with the most expected tokens per second.
+    """("none", 0), ("ngram", k), ("memory", k) or ("draft", k): the bet with the most expected tokens per second.
 
-    `k` is the cycle's cap (`k_cap`). Lookup is gated by its pessimistic estimates, which
+    `k` is the cycle's cap (`k_cap`). Lookup and memory are gated by their pessimistic estimates, which
     learn on every cycle; the draft, which learns only from drafts verified, by its mean.
     """
     best, best_rate, source = 0, 1.0 / costs.verify_seconds(1), "none"
-    if bets.ngram:
-        k_ng, rate = choose_k(costs, bets.ngram, k, accept_low=bets.ngram_low)
-        if rate > best_rate:
-            best, best_rate, source = k_ng, rate, "ngram"
+    for name, accept, low in (("ngram", bets.ngram, bets.ngram_low), ("memory", bets.memory, bets.memory_low)):
+        if accept:
+            k_copy, rate = choose_k(costs, accept, k, accept_low=low)
+            if rate > best_rate:
+                best, best_rate, source = k_copy, rate, name
     if bets.draft is not None and costs.draft_seconds_per_token is not None:
         # An idle draft first decodes what was committed without it; its first pass is a draft step anyway.
         catch_up = costs.draft_batch_seconds(bets.draft_lag) - costs.draft_seconds_per_token
@@ -153,3 +156,14 @@ def match_prior(cls: int) -> float:
     """
     shortest = cls if cls <= 4 else max(cls, 1 << (cls - 3))
     return 1.0 - 1.0 / shortest
+
+
+def memory_class(length: int, seen: int) -> int:
+    """Key of a memory proposal's estimates: the match class of its length, and how many earlier places continued
+    the match that way (1, 2, 3 or more): a continuation several earlier texts agree on is likelier to hold."""
+    return match_class(length) * 4 + min(max(seen, 1), 3)
+
+
+def memory_prior(key: int) -> float:
+    """Before any evidence a memory match is priced as a lookup match of its length (match_prior)."""
+    return match_prior(key // 4)

@@ -118,6 +118,16 @@ def calibration_dir() -> Path:
     return cache_dir().parent / "calibration"
 
 
+MEMORY_ENV = "EDGESPEC_MEMORY_DIR"
+
+
+def memory_dir() -> Path:
+    """Where cross-request memories are kept (memory.py): $EDGESPEC_MEMORY_DIR, else beside the model cache."""
+    if os.environ.get(MEMORY_ENV):
+        return Path(os.environ[MEMORY_ENV]).expanduser()
+    return cache_dir().parent / "memory"
+
+
 def _make_cache_dir() -> Path:
     folder = cache_dir()
     try:

@@ -27,6 +27,7 @@ class Proposal:
     dists: list[Dist] | None = None
     source: str = ""  # which proposer made it ("ngram", "draft"; "none" for a plain step)
     match: int = 0  # n-gram lookup: context tokens that matched where the proposal was copied from
+    seen: int = 0  # memory: earlier places that matched as far and continued this way
 
 
 class Proposer(Protocol):

@@ -9,15 +9,17 @@ lookup proposed with what the target then committed; the draft's only when used.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import numpy as np
 
 from edgespec.config import SamplingConfig
 from edgespec.costs import AcceptanceTracker, CostTracker
-from edgespec.policy import CONFIDENCE_Z, Bets, choose_proposal, match_class, match_prior
+from edgespec.policy import CONFIDENCE_Z, Bets, choose_proposal, match_class, match_prior, memory_class, memory_prior
 from edgespec.proposers import Proposal
 from edgespec.proposers.draft import DraftProposer
+from edgespec.proposers.memory import MemoryProposer
 from edgespec.proposers.ngram import NgramProposer
 
 
@@ -33,6 +35,11 @@ class AutoProposer:
         self.carry = carry  # weight lookup's counts keep from one generation to the next
         self._chosen: Proposal = Proposal(source="none")
         self._shadow: tuple[int, list[int], int] | None = None  # (context length, n-gram tokens, match length)
+        # Earlier requests' text (the engine sets it when its memory is on), with estimates kept across requests:
+        # keyed by memory_class, learned like lookup's by scoring every proposal, used or not.
+        self.memory: MemoryProposer | None = None
+        self.memory_accept = AcceptanceTracker(prior=memory_prior)
+        self._memory_shadow: tuple[int, Proposal] | None = None  # (context length, the memory's last proposal)
 
     def begin(self, prompt: Sequence[int], cfg: SamplingConfig, rng: np.random.Generator) -> None:
         self.ngram.begin(prompt, cfg, rng)
@@ -40,6 +47,7 @@ class AutoProposer:
         if self.draft is not None:
             self.draft.begin(prompt, cfg, rng)
         self._shadow = None
+        self._memory_shadow = None
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         if k <= 0:  # no room for a bet (the last token, a full context): a plain step, nothing to learn yet
@@ -54,9 +62,13 @@ class AutoProposer:
                     ngram_low=[self.ngram_accept.lower(c, self.confidence_z) for c in keys],
                     draft=self.draft_accept.chain(k) if self.draft is not None else None,
                     draft_lag=self.draft.lag(context) if self.draft is not None else 0)
+        mem, mem_accept, mem_low = self._memory_bets(context, k)
+        bets = dataclasses.replace(bets, memory=mem_accept, memory_low=mem_low)
         source, n = choose_proposal(self.cost_tracker.costs, bets, k)
         if source == "ngram":
             self._chosen = Proposal(ng.tokens[:n], source="ngram", match=ng.match)
+        elif source == "memory":
+            self._chosen = dataclasses.replace(mem, tokens=mem.tokens[:n])
         elif source == "draft":
             self._chosen = self.draft.propose(context, n)  # type: ignore[union-attr]
         else:
@@ -79,6 +91,18 @@ class AutoProposer:
         if self.draft is not None:
             self.draft.close()
 
+    def _memory_bets(self, context: Sequence[int], k: int) -> tuple[Proposal, list[float], list[float]]:
+        """The memory's proposal and its estimates per token (mean, pessimistic), after scoring its last one."""
+        if self._memory_shadow is not None:
+            start, last = self._memory_shadow
+            _score(self.memory_accept, [memory_class(last.match + j, last.seen) for j in range(len(last.tokens))],
+                   last.tokens, context[start:])
+        mem = self.memory.propose(context, k) if self.memory is not None else Proposal()
+        self._memory_shadow = (len(context), mem) if mem.tokens else None
+        keys = [memory_class(mem.match + j, mem.seen) for j in range(len(mem.tokens))]
+        return (mem, [self.memory_accept.get(c) for c in keys],
+                [self.memory_accept.lower(c, self.confidence_z) for c in keys])
+
     def _observe_ngram(self, context: Sequence[int]) -> None:
         """Score the previous n-gram proposal against the tokens the target committed since."""
         if self._shadow is None:
@@ -90,3 +114,11 @@ class AutoProposer:
             if t != committed[j]:
                 break
         self._shadow = None
+
+
+def _score(tracker: AcceptanceTracker, keys: list[int], proposed: list[int], committed: Sequence[int]) -> None:
+    """Count each proposed token, up to the first the target did not commit, as accepted or not under its key."""
+    for key, token, actual in zip(keys, proposed, committed):
+        tracker.update(key, token == actual)
+        if token != actual:
+            return

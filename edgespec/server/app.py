@@ -36,6 +36,7 @@ from starlette.routing import Route
 
 from edgespec import __version__, errors, tools
 from edgespec.backend import json_schema_gbnf, library_version
+from edgespec.memory import namespace_of_key
 from edgespec.config import (
     DEFAULT_HOST,
     DEFAULT_MAX_BODY_BYTES,
@@ -78,6 +79,7 @@ class Settings:
     infill_cancel_older: bool = False  # a newer /infill cancels older ones (editors retype constantly)
     model_name: str = "edgespec"
     keepalive_seconds: float = DEFAULT_SSE_PING_SECONDS  # a stream silent this long gets a ': ping' comment
+    api_keys: tuple[str, ...] = ()  # more keys besides api_key; each key's requests have a memory of their own
 
 
 def is_loopback(host: str) -> bool:
@@ -269,7 +271,8 @@ class _Service:
             "eos_token": m.token_text(m.vocab.eos) if m.vocab.eos is not None else "",
             "build_info": f"edgespec {__version__}, llama-cpp-python {library_version()}",
             "speculative": {"proposer": eng.config.proposer, "k_max": eng.plan.k_max,
-                            "draft": eng.config.draft, "draft_loaded": eng.draft_loaded},
+                            "draft": eng.config.draft, "draft_loaded": eng.draft_loaded,
+                            "memory": eng.memory is not None},
             "endpoint_metrics": True, "endpoint_slots": False, "endpoint_props": True,
         })
 
@@ -344,6 +347,7 @@ class _Service:
                               chat: bool, with_tools: bool = False) -> Response:
         eng = self.engine()
         _check_request(eng, prompt, prompt_name, req)
+        req = _in_namespace(request, req)
         head = _OpenAIHead(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", int(time.time()),
                            self.settings.model_name, chat, eng.target.token_piece, with_tools)
         cancel = threading.Event()
@@ -373,6 +377,7 @@ class _Service:
     async def llama_response(self, request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
                              infill: bool = False) -> Response:
         _check_request(self.engine(), prompt, prompt_name, req)
+        req = _in_namespace(request, req)
         model, piece = self.settings.model_name, self.engine().target.token_piece
         cancel = threading.Event()
         if infill and self.settings.infill_cancel_older:
@@ -678,6 +683,15 @@ def _check_request(eng: Engine, prompt: list[int], prompt_name: str, req: schema
         grammar.close()
 
 
+def _in_namespace(request: Request, req: schemas.Request) -> schemas.Request:
+    """The request's generation in the memory namespace of its API key (_Safety found it; the local one when the
+    server has no key), unless it asked for no memory."""
+    namespace = request.scope.get("state", {}).get("memory_namespace")
+    if namespace is None or req.config.memory is None:
+        return req
+    return dataclasses.replace(req, config=dataclasses.replace(req.config, memory=namespace))
+
+
 def _with_tools(req: schemas.Request, plan: tools.ToolPlan, eng: Engine) -> schemas.Request:
     """The request's generation under its tool plan: the calls' grammar, or the call tag forbidden."""
     c = req.config
@@ -778,12 +792,14 @@ class _Safety:
                 return await _error(403, f"Host header {host!r} is not a loopback name; a server bound to "
                                          f"{self.settings.host} only answers requests for localhost "
                                          f"(protection against DNS rebinding)", "forbidden")(scope, receive, send)
-        key = self.settings.api_key
-        if key and scope["path"] != "/health" and scope.get("method") != "OPTIONS":
+        keys = [k for k in (self.settings.api_key, *self.settings.api_keys) if k]
+        if keys and scope["path"] != "/health" and scope.get("method") != "OPTIONS":
             given = headers.get("authorization", "").removeprefix("Bearer ").strip() or headers.get("x-api-key", "")
-            if not hmac.compare_digest(given.encode(), key.encode()):
+            if not any([hmac.compare_digest(given.encode(), key.encode()) for key in keys]):  # all compared
                 return await _error(401, "missing or wrong API key; send 'Authorization: Bearer KEY'",
                                     "authentication_error")(scope, receive, send)
+            # Nothing one key's requests wrote is proposed to another's: each key has its own memory namespace.
+            scope.setdefault("state", {})["memory_namespace"] = namespace_of_key(given)
         length = headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > self.settings.max_body_bytes):
             if length.isdigit() and int(length) <= MAX_DRAIN_BYTES:

@@ -21,6 +21,7 @@ from edgespec.config import (
     DEFAULT_TOP_P,
     MAX_K,
     MAX_LOGPROBS,
+    MEMORY_LOCAL,
     PROPOSERS,
     GenerationConfig,
     SamplingConfig,
@@ -109,6 +110,9 @@ FIELDS: dict[str, Field] = {
     "speculative": Field('{"proposer": auto|none|ngram|draft, "k": cap, "enabled": bool} for this request; '
                          'echoed in the response\'s speculative stats'),
     "speculative.n_max": Field("llama.cpp's spelling of speculative.k"),
+    "memory": Field("false: this request's text is neither proposed from nor added to the server's cross-request "
+                    "memory (default true; it has effect where the server keeps one, as GET /props says: a loopback "
+                    "bind or --memory); each API key has a memory of its own"),
     # -- responses --------------------------------------------------------------------------------------------
     "stream": Field("server-sent events; ': ping' comments keep a long prefill's connection alive"),
     "stream_options": Field("include_usage: a last chunk with usage and no choices", _OAI),
@@ -277,6 +281,7 @@ def generation(body: dict[str, Any], route: str, n_ctx: int, default_max_tokens:
         time_limit=time_limit / 1000 if time_limit and time_limit > 0 else None,
         min_indent=number(body, "n_indent", 0, 0, 2**31 - 1, integer=True), proposer=proposer, k=k,
         slot=number(body, "id_slot", None, -1, 2**31 - 1, integer=True), logprobs=_logprobs(body, route),
+        memory=MEMORY_LOCAL if flag(body, "memory", True) else None,
         **_constraint(body))
     options = body.get("stream_options")
     if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):

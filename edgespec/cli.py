@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -45,6 +44,8 @@ from edgespec.models import fetch as fetch_model
 from edgespec.models import remove as remove_model
 from edgespec.models.store import SOURCES
 from edgespec.onnx_export import PRECISIONS
+from edgespec.terminal import Spinner, print_stream, read_stdin, stats_line
+from edgespec.userconfig import settle
 
 
 def _errors(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -88,9 +89,12 @@ def _options(*decorators: Callable[..., Any]) -> Callable[..., Any]:
 
 # Options shared by every command that loads an engine, and by every command that samples.
 _engine_options = _options(
-    click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Catalog name or path of a GGUF file."),
+    click.option("-m", "--model", default=None,
+                 help=f"Catalog name, GGUF path or hf:REPO[:QUANT] (pulled from the Hub) [default: $EDGESPEC_MODEL, "
+                      f"else the config file's model, else {DEFAULT_MODEL}]."),
     click.option("-d", "--draft", default=None,
-                 help="Draft model: catalog name or GGUF path (llama.cpp), or an ONNX directory (onnxruntime)."),
+                 help="Draft model: catalog name, GGUF path or hf:REPO[:QUANT] (llama.cpp), or an ONNX directory "
+                      "(onnxruntime); none: no draft [default: $EDGESPEC_DRAFT, else the config file's draft]."),
     click.option("--draft-device", type=click.Choice(DRAFT_DEVICES), default="auto", show_default=True,
                  help="Where an ONNX draft runs (auto: a GPU provider of the installed onnxruntime, else the CPU)."),
     click.option("--proposer", type=click.Choice(PROPOSERS), default="auto", show_default=True,
@@ -104,9 +108,11 @@ _engine_options = _options(
                      help="Target layers on the GPU (layers + 1 includes the output layer) [default: the plan's]."),
         click.option("-ngld", "--draft-gpu-layers", "draft_gpu_layers", type=click.IntRange(min=0), default=None,
                      help="Draft layers on the GPU; giving it keeps the draft [default: the plan's]."))),
-    click.option("--threads", type=int, default=None, help="CPU threads [default: physical cores]."),
+    click.option("--threads", type=int, default=None,
+                 help="CPU threads [default: the config file's threads, else physical cores]."),
     click.option("--ctx", "n_ctx", type=int, default=None,
-                 help=f"Context size in tokens [default: up to {DEFAULT_N_CTX}, as the memory plan allows]."),
+                 help=f"Context size in tokens [default: the config file's ctx, else up to {DEFAULT_N_CTX}, as the "
+                      f"memory plan allows]."),
     click.option("--flash-attn", type=click.Choice(FLASH_ATTN), default="auto", show_default=True,
                  help="llama.cpp's flash attention (auto: on where the backend has it)."),
     click.option("--mmap/--no-mmap", default=None,
@@ -136,6 +142,11 @@ _sampling_options = _options(
     click.option("--frequency-penalty", type=float, default=0.0, show_default=True),
     click.option("--presence-penalty", type=float, default=0.0, show_default=True),
 )
+
+
+_show_draft_option = click.option(
+    "--show-draft", is_flag=True,
+    help="Colour the text of tokens that came from an accepted proposal (on a terminal; plain text when piped).")
 
 
 def _generation_config(o: dict[str, Any], max_tokens: int | None = DEFAULT_MAX_TOKENS,
@@ -203,10 +214,12 @@ def _progress(show: bool) -> _FetchBar | None:
 
 
 def _engine_config(o: dict[str, Any], mmap: bool = True, n_seq: int = 1, memory: bool = True) -> EngineConfig:
-    """The EngineConfig the engine options describe; `mmap` is the command's default for --mmap."""
-    return EngineConfig(o["model"], o["draft"], o["proposer"], o["k"],
-                        LoadConfig(n_ctx=o["n_ctx"], n_threads=default_threads() if o["threads"] is None
-                                   else o["threads"], flash_attn=o["flash_attn"],
+    """The EngineConfig the engine options describe (flag > env > config file > built-in); `mmap` is the
+    command's default for --mmap."""
+    d = settle({"model": o["model"], "draft": o["draft"], "ctx": o["n_ctx"], "threads": o["threads"]})
+    return EngineConfig(d.model, d.draft, o["proposer"], o["k"],
+                        LoadConfig(n_ctx=d.ctx, n_threads=default_threads() if d.threads is None
+                                   else d.threads, flash_attn=o["flash_attn"],
                                    mmap=mmap if o["mmap"] is None else o["mmap"], n_seq=n_seq,
                                    n_gpu_layers=-1 if o["gpu_layers"] is None else o["gpu_layers"]),
                         parse_size(o["memory_budget"]) if o["memory_budget"] else None, o["source"],
@@ -222,36 +235,18 @@ def _open_engine(o: dict[str, Any], config: EngineConfig | None = None):
     if show:
         click.echo(click.style(f"loading {config.model}" + (f" + {config.draft}" if config.draft else "") + " …",
                                dim=True), err=True)
-    engine = Engine(config, progress=_progress(show))
+    with Spinner(enabled=show) as spinner:  # draws only once the load or calibration has taken a second
+        engine = Engine(config, progress=_progress(show), status=spinner.update)
     if show:
         for note in engine.notes:
             click.echo(click.style(f"note: {note}", fg="yellow"), err=True)
     return engine
 
 
-def _stats_line(s: Any, finish: str | None = None) -> str:
-    spec = (f", {s.accepted}/{s.drafted} drafted accepted ({s.acceptance_rate:.0%}), "
-            f"{s.mean_accepted_per_cycle:.2f} per cycle") if s.drafted else ""
-    reused = f" ({s.cached_prompt_tokens} reused)" if s.cached_prompt_tokens else ""
-    end = f", {finish}" if finish else ""
-    return (f"[{s.prompt_tokens} prompt tokens{reused} in {s.prefill_seconds:.2f}s, {s.completion_tokens} generated "
-            f"at {s.tokens_per_second:.1f} tok/s{spec}{end}]")
-
-
 def _echo_stats(last: Any, quiet: bool) -> None:
     """The stats line of a finished stream on stderr, unless --quiet."""
     if not quiet and last is not None and last.stats is not None:
-        click.echo(click.style(_stats_line(last.stats, last.finish_reason), dim=True), err=True)
-
-
-def _print_stream(chunks: Any) -> Any:
-    """Print text as it is committed; returns the last chunk (with stats)."""
-    last = None
-    for last in chunks:
-        click.echo(last.text, nl=False)
-        sys.stdout.flush()
-    click.echo()
-    return last
+        click.echo(click.style(stats_line(last.stats, last.finish_reason), dim=True), err=True)
 
 
 @cli.command()
@@ -266,9 +261,10 @@ def _print_stream(chunks: Any) -> Any:
               help="Constrain the output to this JSON Schema (a file); speculation runs under it.")
 @click.option("--grammar", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="Constrain the output to this GBNF grammar (a file, llama.cpp's format).")
+@_show_draft_option
 @_errors
 def generate(prompt: str | None, prompt_file: Path | None, chat: bool, as_json: bool, json_schema: Path | None,
-             grammar: Path | None, **o: Any) -> None:
+             grammar: Path | None, show_draft: bool, **o: Any) -> None:
     """Generate a completion for one prompt."""
     if (prompt is None) == (prompt_file is None):
         raise click.UsageError("give exactly one of --prompt TEXT or --prompt-file FILE")
@@ -282,7 +278,8 @@ def generate(prompt: str | None, prompt_file: Path | None, chat: bool, as_json: 
             click.echo(json.dumps({"text": out.text, "tokens": out.tokens, "finish_reason": out.finish_reason,
                                    "stats": out.stats.to_dict()}))
             return
-        _echo_stats(_print_stream(engine.stream(tokens, config, stop=o["stop"])), o["quiet"])
+        _echo_stats(print_stream(engine.stream(tokens, config, stop=o["stop"]), show_draft,
+                                 f"reading the prompt ({len(tokens)} tokens)", o["quiet"]), o["quiet"])
 
 
 @cli.command()
@@ -292,19 +289,10 @@ def generate(prompt: str | None, prompt_file: Path | None, chat: bool, as_json: 
 @_errors
 def complete(prompt: str | None, **o: Any) -> None:
     """Raw completion of a prompt (from --prompt or stdin), no chat template: for scripts."""
-    text = prompt if prompt is not None else _read_stdin()
+    text = prompt if prompt is not None else read_stdin()
     with _open_engine(o) as engine:
-        _echo_stats(_print_stream(engine.stream(engine.tokenize(text), _generation_config(o), stop=o["stop"])),
-                    o["quiet"])
-
-
-def _read_stdin() -> str:
-    """Standard input as text; invalid UTF-8 reads as U+FFFD, as in --prompt."""
-    return sys.stdin.buffer.read().decode("utf-8", "replace") if hasattr(sys.stdin, "buffer") else sys.stdin.read()
-
-
-CHAT_HELP = "/reset  forget the conversation   /stats  numbers of the last answer\n" \
-            "/system TEXT  set the system prompt   /exit  leave (or Ctrl-D); Ctrl-C stops an answer"
+        _echo_stats(print_stream(engine.stream(engine.tokenize(text), _generation_config(o), stop=o["stop"]),
+                                 quiet=o["quiet"]), o["quiet"])
 
 
 @cli.command("chat")
@@ -313,75 +301,31 @@ CHAT_HELP = "/reset  forget the conversation   /stats  numbers of the last answe
 @click.option("-s", "--system", default=None, help="System prompt.")
 @click.option("--interactive/--once", default=None,
               help="Prompt for turns, or answer standard input once [default: prompt when stdin is a terminal].")
+@_show_draft_option
 @_errors
-def chat_cmd(system: str | None, interactive: bool | None, **o: Any) -> None:
-    """Talk with a model; tokens stream as they are accepted. Piped input gets one answer."""
+def chat_cmd(system: str | None, interactive: bool | None, show_draft: bool, **o: Any) -> None:
+    """Talk with a model; tokens stream as they are accepted. Piped input gets one answer.
+
+    On a terminal: line editing, history kept between sessions (up/down), \"\"\" or Alt-Enter for several lines,
+    /help for the commands.
+    """
     from edgespec.chat import ChatSession
+    from edgespec.repl import run_chat
+    from edgespec.userconfig import history_path
 
     with _open_engine(o) as engine:
         # In a chat the context, not a fixed number, bounds an answer (unless -n says otherwise).
         session = ChatSession(engine, _generation_config(o, max_tokens=None), system=system, stop=o["stop"])
-        if not (sys.stdin.isatty() if interactive is None else interactive):
-            text = _read_stdin().strip()
-            if text:
-                _answer(session, text, o["quiet"])
-            return
-        if not o["quiet"]:
-            click.echo(click.style(CHAT_HELP, dim=True), err=True)
-        if hasattr(sys.stdin, "reconfigure"):
-            sys.stdin.reconfigure(errors="replace")  # an invalid byte typed or pasted reads as U+FFFD
-        while True:
-            try:
-                click.echo(click.style(">>> ", fg="green", bold=True), nl=False)
-                line = input()
-            except EOFError:
-                click.echo()
-                return
-            except KeyboardInterrupt:
-                click.echo()
-                continue
-            line = line.strip()
-            if not line:
-                continue
-            if line in ("/exit", "/quit", "/bye"):
-                return
-            if line == "/reset":
-                session.reset()
-                click.echo(click.style("conversation cleared", dim=True), err=True)
-            elif line == "/stats":
-                s = session.last_stats
-                click.echo(_stats_line(s, session.last_finish) if s is not None else "no answer yet")
-            elif line.startswith("/system"):
-                session.system = line[len("/system"):].strip() or None
-                click.echo(click.style(f"system prompt {'set' if session.system else 'cleared'}", dim=True), err=True)
-            elif line.startswith("/"):
-                click.echo(f"unknown command {line.split()[0]}\n{CHAT_HELP}", err=True)
-            else:
-                try:
-                    _answer(session, line, o["quiet"])
-                except EdgespecError as e:  # one bad turn (too long, template error) keeps the session
-                    click.echo(click.style(f"error: {e}", fg="red"), err=True)
-
-
-def _answer(session: Any, text: str, quiet: bool) -> None:
-    """Stream one answer; Ctrl-C cancels it after the current cycle and keeps the session."""
-    engine = session.engine
-    previous = signal.signal(signal.SIGINT, lambda *_: engine.cancel())
-    try:
-        last = _print_stream(session.send(text))
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    for notice in session.notices:
-        click.echo(click.style(f"note: {notice}", fg="yellow"), err=True)
-    session.notices.clear()
-    _echo_stats(last, quiet)
+        run_chat(session, sys.stdin.isatty() if interactive is None else interactive, history_path(), o["quiet"],
+                 show_draft)
 
 
 @cli.command()
 @_engine_options
 @click.option("--host", default=DEFAULT_HOST, show_default=True,
               help="Address to bind; anything but loopback needs --api-key.")
-@click.option("--port", type=int, default=DEFAULT_PORT, show_default=True)
+@click.option("--port", type=click.IntRange(1, 65535), default=None,
+              help=f"Port [default: the config file's port, else {DEFAULT_PORT}].")
 @click.option("--api-key", "api_keys", multiple=True, envvar="EDGESPEC_API_KEY",
               help="Require 'Authorization: Bearer KEY' (repeatable: each key's requests have a memory of their own; "
                    "env EDGESPEC_API_KEY, keys separated by spaces).")
@@ -408,32 +352,37 @@ def serve(host: str, port: int, api_keys: tuple[str, ...], cors_origins: tuple[s
                                    f"could use it; pass --api-key KEY, or keep the default --host 127.0.0.1")
     # Bad options end here, in one line, before the port opens. Memory: on by default only where text stays local.
     config = _engine_config(o, mmap=False, n_seq=n_seq, memory=is_loopback(host))
+    port = settle({"port": port}).port
     settings = Settings(host=host, port=port, api_key=api_keys[0] if api_keys else None, api_keys=api_keys[1:],
                         cors_origins=cors_origins,
                         max_body_bytes=max_body_bytes, infill_cancel_older=infill_cancel_older,
-                        model_name=Path(o["model"]).name, keepalive_seconds=keepalive)
+                        model_name=Path(config.model).name, keepalive_seconds=keepalive)
     if not o["quiet"]:
-        click.echo(click.style(f"edgespec serving {o['model']} on http://{host}:{port} (GET /health is 503 until "
+        click.echo(click.style(f"edgespec serving {config.model} on http://{host}:{port} (GET /health is 503 until "
                                f"the model is loaded)", dim=True), err=True)
     app = create_app(settings, lambda: _open_engine({**o, "quiet": True}, config))
     run_server(app, settings, log_level="warning" if o["quiet"] else "info", grace=shutdown_grace)
 
 
 @cli.command("plan")
-@click.option("-m", "--model", default=DEFAULT_MODEL, show_default=True, help="Catalog name or path of a GGUF file.")
-@click.option("-d", "--draft", default=None, help="Draft model to plan for (catalog name, GGUF or ONNX directory).")
+@click.option("-m", "--model", default=None,
+              help=f"Catalog name, GGUF path or hf:REPO[:QUANT] [default: as for generate, else {DEFAULT_MODEL}].")
+@click.option("-d", "--draft", default=None, help="Draft model to plan for (catalog name, GGUF or ONNX directory; "
+                                                   "none: no draft) [default: as for generate].")
 @click.option("--draft-device", type=click.Choice(DRAFT_DEVICES), default="auto", show_default=True,
               help="Where an ONNX draft runs.")
-@click.option("--ctx", "n_ctx", type=int, default=None, help=f"Wanted context size [default: up to {DEFAULT_N_CTX}].")
+@click.option("--ctx", "n_ctx", type=int, default=None,
+              help=f"Wanted context size [default: the config file's ctx, else up to {DEFAULT_N_CTX}].")
 @click.option("-k", "--k", "k", type=int, default=None,
               help=f"Most tokens proposed per cycle; the plan may lower it [default: {MAX_K}].")
 @click.option("--memory-budget", default=None, help="Memory the models may use, e.g. 6GiB [default: detected].")
 @_options(*_layer_options)
-@click.option("--threads", type=int, default=None, help="CPU threads [default: physical cores].")
+@click.option("--threads", type=int, default=None,
+              help="CPU threads [default: the config file's threads, else physical cores].")
 @click.option("--json", "as_json", is_flag=True)
 @_source_option
 @_errors
-def plan_cmd(model: str, draft: str | None, draft_device: str, n_ctx: int | None, k: int | None,
+def plan_cmd(model: str | None, draft: str | None, draft_device: str, n_ctx: int | None, k: int | None,
              memory_budget: str | None, gpu_layers: int | None, draft_gpu_layers: int | None, threads: int | None,
              as_json: bool, source: str | None) -> None:
     """Show every layout of target and draft that fits this machine, its predicted speed, and the one chosen."""
@@ -441,8 +390,10 @@ def plan_cmd(model: str, draft: str | None, draft_device: str, n_ctx: int | None
     from edgespec.models import resolve
     from edgespec.onnx_files import is_onnx
 
-    load = LoadConfig(n_ctx=n_ctx, n_gpu_layers=-1 if gpu_layers is None else gpu_layers,
-                      n_threads=default_threads() if threads is None else threads)
+    d = settle({"model": model, "draft": draft, "ctx": n_ctx, "threads": threads})
+    model, draft = d.model, d.draft
+    load = LoadConfig(n_ctx=d.ctx, n_gpu_layers=-1 if gpu_layers is None else gpu_layers,
+                      n_threads=default_threads() if d.threads is None else d.threads)
     config = EngineConfig(model, draft, k=k, load=load, source=source, draft_gpu_layers=draft_gpu_layers,
                           memory_budget=parse_size(memory_budget) if memory_budget else None)
     progress = _progress(not as_json)

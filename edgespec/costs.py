@@ -33,6 +33,7 @@ COST_DECAY = 0.8  # weight of the past per observed pass: costs follow the conte
 # one dear pass (a deep context, a busy spell) does not keep the larger sizes untried for good.
 COST_STALE_DECAY = 0.98
 CACHE_VERSION = 7
+TimingProgress = Callable[[str, int, int], None]  # (model file name, passes timed, passes in all)
 
 
 class CostTracker:
@@ -132,18 +133,20 @@ class AcceptanceTracker:
 # -- calibration ------------------------------------------------------------------
 
 
-def calibrate(target, draft, k_max: int, cache_dir: Path, device: str = "cpu") -> Costs:
+def calibrate(target, draft, k_max: int, cache_dir: Path, device: str = "cpu",
+              progress: TimingProgress | None = None) -> Costs:
     """Measure t(B) of the target and the draft's per-token cost, each cached in `cache_dir` per model file,
     layers on the GPU, threads, `device` and machine: so the planner can price a layout measured before.
 
     `target` and `draft` (or None) are backend.Model objects. The measurement decodes at
-    the end of whatever the caches hold and trims back, so state is unchanged.
+    the end of whatever the caches hold and trims back, so state is unchanged. `progress` hears of
+    every pass timed (none when the costs come from the cache).
     """
     batches = tuple(b for b in CALIBRATION_BATCHES if b <= k_max + 1)
     t0 = time.perf_counter()
-    target_seconds = _measured_or_timed(target, batches, cache_dir, device)
+    target_seconds = _measured_or_timed(target, batches, cache_dir, device, progress)
     # An ONNX draft names its execution provider: its cost depends on that, not on llama.cpp's device.
-    draft_cost = (_measured_or_timed(draft, (1,), cache_dir, getattr(draft, "device_key", device))[0]
+    draft_cost = (_measured_or_timed(draft, (1,), cache_dir, getattr(draft, "device_key", device), progress)[0]
                   if draft is not None else None)
     log.info("costs in %.2fs: t(B)/t(1) = %s, draft/target per token = %s", time.perf_counter() - t0,
              [round(t / target_seconds[0], 2) for t in target_seconds],
@@ -157,13 +160,14 @@ def measured(cache_dir: Path, path: Path, gpu_layers: int, load, device: str) ->
     return cached[1] if cached and cached[1] else None
 
 
-def _measured_or_timed(model, batches: tuple[int, ...], cache_dir: Path, device: str) -> tuple[float, ...]:
+def _measured_or_timed(model, batches: tuple[int, ...], cache_dir: Path, device: str,
+                       progress: TimingProgress | None = None) -> tuple[float, ...]:
     path = _cache_path(cache_dir, model.path, model.cfg.n_gpu_layers, model.cfg, device)
     cached = _read_cached(path)
     if cached is not None and cached[0] == batches:
         log.info("costs of %s from cache %s", model.path.name, path)
         return cached[1]
-    seconds = _time_batches(model, batches)
+    seconds = _time_batches(model, batches, progress)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -185,7 +189,7 @@ def _read_cached(path: Path) -> tuple[tuple[int, ...], tuple[float, ...]] | None
     return None
 
 
-def _time_batches(model, batches: Sequence[int]) -> tuple[float, ...]:
+def _time_batches(model, batches: Sequence[int], progress: TimingProgress | None = None) -> tuple[float, ...]:
     """Seconds to decode each batch size with logits on every row, as verification asks.
 
     Warm-up passes first (page faults, thread pool, both kernel paths); then
@@ -197,16 +201,19 @@ def _time_batches(model, batches: Sequence[int]) -> tuple[float, ...]:
     """
     base = model.n_past
     token = model.vocab.bos if model.vocab.bos is not None else 0
+    report = progress or (lambda name, done, total: None)
+    report(model.path.name, 0, 3 * len(batches))
     for b in (batches[-1], 1):
         model.decode([token] * b, n_outputs=b)
         model.trim(base)
     samples: list[list[float]] = [[] for _ in batches]
-    for _ in range(3):
+    for r in range(3):
         for i, b in enumerate(batches):
             t = time.perf_counter()
             model.decode([token] * b, n_outputs=b)
             samples[i].append(time.perf_counter() - t)
             model.trim(base)
+            report(model.path.name, r * len(batches) + i + 1, 3 * len(batches))
     out: list[float] = []
     for times in samples:
         # Among powers of two a larger batch never costs less; a dip is noise.

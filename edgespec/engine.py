@@ -40,6 +40,8 @@ from edgespec.text import IndentLimit, TextStream
 log = logging.getLogger(__name__)
 
 SLOT_POLL_SECONDS = 0.1  # a generation waiting for a slot checks its cancel event this often
+# What the engine is waiting on while it loads (a message, and the fraction done when it is known), for a UI to show.
+StatusCallback = Callable[[str, float | None], None]
 
 __all__ = ["Chunk", "Completion", "Engine", "FinishReason", "Stats", "plan_memory"]
 
@@ -57,6 +59,10 @@ class Chunk:
     truncated: bool = False  # last chunk: it ended because the context was full
     slot: int = -1  # last chunk: the slot it ran in
     logprobs: list[TokenLogprob] | None = None  # per token, when the generation asked for them
+    # Leading characters of `text` released by tokens from an accepted proposal (a cycle commits its accepted
+    # drafts before the target's own token). Text held back before (a possible stop string, a split UTF-8
+    # character) counts with the token that releases it.
+    draft_chars: int = 0
 
 
 @dataclass
@@ -139,7 +145,7 @@ class Engine:
     def __init__(self, model: str | Path | EngineConfig = DEFAULT_MODEL, *, draft: str | Path | None = None,
                  proposer: str | Proposer = "auto", k: int | None = None, load: LoadConfig | None = None,
                  memory_budget: int | None = None, source: str | None = None,
-                 progress: ProgressCallback | None = None) -> None:
+                 progress: ProgressCallback | None = None, status: StatusCallback | None = None) -> None:
         """Load `model` (an EngineConfig, or a catalog name or GGUF path with the config's fields as options).
 
         `proposer` is "auto" (each cycle: n-gram lookup, the draft, or a plain
@@ -148,6 +154,7 @@ class Engine:
         tokens proposed per cycle (default: the memory plan's Kmax for auto,
         DEFAULT_K otherwise). The context size, whether the draft loads and
         where layers go come from the memory plan unless `load` sets them.
+        `progress` hears of model downloads, `status` of loading and calibration.
         """
         custom = None if isinstance(proposer, str) else proposer
         self.config = model if isinstance(model, EngineConfig) else EngineConfig(
@@ -158,6 +165,7 @@ class Engine:
                                       f"{self.config.load.n_seq}, or a proposer by name")
         self.notes: list[str] = []  # decisions a person should hear about (dropped draft, smaller context)
         self.cost_tracker: CostTracker | None = None  # auto only: calibrated costs, corrected by each pass
+        self._status: StatusCallback = status or (lambda message, fraction: None)
         target_path, draft_path = self._resolve(progress)
         self.target = self._load(target_path, self.load_config)
         try:
@@ -208,6 +216,7 @@ class Engine:
 
     def _load(self, path: Path, cfg: LoadConfig) -> Model:
         """Load a model where the plan put it; a GPU that has lost the room since is an error with the numbers."""
+        self._status(f"loading {path.name}", None)
         if is_onnx(path):  # onnxruntime reports its own failures: they are not llama.cpp's GPU running short
             return ort.OnnxModel(path, cfg, self.config.draft_device)  # type: ignore[return-value]
         try:
@@ -249,7 +258,9 @@ class Engine:
         """Calibrate this machine's costs; unload a draft that cannot pay even at DRAFT_ACCEPT_CEILING."""
         k_max = self.plan.k_max
         c = calibrate(self.target, drafter.model if drafter else None, k_max, calibration_dir(),
-                      self.plan.budget.gpu_name or "cpu")
+                      self.plan.budget.gpu_name or "cpu", progress=lambda name, done, total: self._status(
+                          f"calibrating this machine, once: timing {name} (cached for next time)",
+                          done / total))
         self.cost_tracker = CostTracker(c)
         if drafter is not None and not draft_can_pay(c, k_max):
             self.notes.append(
@@ -489,12 +500,13 @@ class Engine:
                         probs = None if probs is None else probs[: i + 1]
                         done = "stop" if text.stopped else "length"
                         break
+                drafted = len("".join(delta[:sum(from_draft)]))
                 if done is not None:
                     finish = done
                     delta.append(indent.push(text.flush()) + indent.flush())
-                    yield Chunk("".join(delta), tokens, from_draft, logprobs=probs)
+                    yield Chunk("".join(delta), tokens, from_draft, logprobs=probs, draft_chars=drafted)
                     break
-                yield Chunk("".join(delta), tokens, from_draft, logprobs=probs)
+                yield Chunk("".join(delta), tokens, from_draft, logprobs=probs, draft_chars=drafted)
         finally:
             steps.close()
         full = finish == "length" and len(prompt_tokens) + stats.completion_tokens >= self.n_ctx

@@ -11,6 +11,10 @@ class EdgespecError(Exception):
     """Base class: something the user can fix; the message says how."""
 
 
+class ConfigError(EdgespecError):
+    """A config file or environment variable that cannot be used as it is."""
+
+
 class ModelNotFoundError(EdgespecError):
     """A model path that does not exist and is not a catalog name."""
 
@@ -49,6 +53,10 @@ class UnsupportedModelError(EdgespecError):
 
 class ChatTemplateError(EdgespecError):
     """A model without a chat template, or one that fails to render."""
+
+
+class TranscriptError(EdgespecError):
+    """A chat transcript that cannot be read or written."""
 
 
 class OutOfMemoryError(EdgespecError):

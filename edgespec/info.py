@@ -34,6 +34,7 @@ def machine_info() -> dict[str, Any]:
                      f"numpy {_version('numpy')}", f"huggingface-hub {_version('huggingface-hub')}",
                      f"python {sys.version.split()[0]}"],
         "model cache": str(cache_dir()),
+        **_user_files(),
         "cached models": [f"{n} ({p})" for n, m in MODELS.items() if (p := cached_path(m)) is not None] or ["none"],
     }
     if (idle := idle_gpu_note(found)) is not None:
@@ -54,6 +55,20 @@ def machine_info() -> dict[str, Any]:
     except EdgespecError as e:
         data["memory plan"] = str(e)
     return data
+
+
+def _user_files() -> dict[str, Any]:
+    """The config file (whether it exists), the defaults it and the environment settle, the chat history."""
+    from edgespec.errors import ConfigError
+    from edgespec.userconfig import config_path, history_path, settle
+
+    path = config_path()
+    try:
+        defaults: Any = settle().describe()
+    except ConfigError as e:  # info still reports the rest of the machine
+        defaults = str(e)
+    return {"config file": f"{path} ({'present' if path.exists() else 'absent'})", "defaults": defaults,
+            "chat history": str(history_path())}
 
 
 def _onnxruntime() -> str:

@@ -11,6 +11,21 @@ import pytest
 from edgespec.models import fetch
 
 
+@pytest.fixture(autouse=True)
+def user_dirs(tmp_path_factory, monkeypatch) -> Path:
+    """Every test (and the edgespec processes it starts) gets its own config and history folders, and none of
+    the person's defaults: no test reads or writes the real user's files."""
+    folder = tmp_path_factory.mktemp("user")
+    monkeypatch.setenv("EDGESPEC_CONFIG_DIR", str(folder / "config"))
+    monkeypatch.setenv("EDGESPEC_STATE_DIR", str(folder / "state"))
+    for var in ("EDGESPEC_MODEL", "EDGESPEC_DRAFT"):
+        monkeypatch.delenv(var, raising=False)
+    # A pseudo-terminal has no terminal emulator to answer prompt_toolkit's cursor position request: it would
+    # wait for the answer and drop what pexpect typed meanwhile.
+    monkeypatch.setenv("PROMPT_TOOLKIT_NO_CPR", "1")
+    return folder
+
+
 def _fetch(name: str) -> Path:
     return fetch(name)
 

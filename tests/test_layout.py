@@ -8,7 +8,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "edgespec"
 MAX_FUNCTION_LINES = 60
 # A library with a native core or a user interface is imported by exactly one module.
-OWNERS = {"llama_cpp": "backend.py", "onnxruntime": "ort.py", "click": "cli.py"}
+OWNERS = {"llama_cpp": "backend.py", "onnxruntime": "ort.py", "click": "cli.py", "prompt_toolkit": "repl.py"}
 
 
 def modules() -> list[tuple[str, ast.Module]]:

@@ -27,6 +27,7 @@ from filelock import FileLock, Timeout
 
 from edgespec.errors import ChecksumError, FetchError, ModelNotFoundError
 from edgespec.models.catalog import MODELS, CatalogModel
+from edgespec.userconfig import user_dir
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +59,7 @@ def cache_dir() -> Path:
     """Where fetched models live: $EDGESPEC_CACHE, else the user cache dir."""
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV]).expanduser()
-    if sys.platform == "darwin":
-        base = Path.home() / "Library" / "Caches"
-    elif sys.platform == "win32":
-        base = Path(os.environ.get("LOCALAPPDATA", Path.home() / "AppData" / "Local"))
-    else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "edgespec" / "models"
+    return user_dir("cache") / "models"
 
 
 def cached_path(entry: CatalogModel) -> Path | None:
@@ -354,10 +349,14 @@ def _hub_revision_of(entry: CatalogModel, blob: Path) -> tuple[object, str, int]
 
 
 def resolve(model: str, source: str | None = None, progress: ProgressCallback | None = None) -> Path:
-    """A model argument as the CLI and API accept it: an existing path or a catalog name."""
+    """A model argument as the CLI and API accept it: an existing path, a catalog name or hf:REPO[:QUANT]."""
     path = Path(model).expanduser()
     if path.exists():
         return path
+    if model.startswith("hf:"):  # hub.HF_PREFIX; hub imports this module, so it is imported here
+        from edgespec.models.hub import pull_ref
+
+        return pull_ref(model)
     if model in MODELS:
         return fetch(model, source=source, progress=progress)
     names = ", ".join(sorted(MODELS))
@@ -365,5 +364,5 @@ def resolve(model: str, source: str | None = None, progress: ProgressCallback | 
         raise ModelNotFoundError(f"model file {model} does not exist; check the path, or use a catalog name ({names})")
     raise ModelNotFoundError(
         f"model {model!r} is neither an existing file nor a catalog name; check the path, "
-        f"or use one of {names} (see `edgespec models list`)"
+        f"or use one of {names} (see `edgespec models list`), or hf:OWNER/REPO[:QUANT] for a Hub GGUF"
     )

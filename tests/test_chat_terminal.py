@@ -101,12 +101,21 @@ def expected_drafted(smollm_path: Path) -> tuple[str, list[str]]:
 
 
 def test_show_draft_colours_drafted_tokens_on_a_terminal_and_not_in_a_pipe(smollm_path):
+    """--show-draft colours exactly the text of accepted proposals; /draft off and on switch it; a pipe gets none."""
     text, drafted = expected_drafted(smollm_path)
     assert drafted and "".join(drafted) != text  # some of the answer was drafted, not all of it
     child = spawn(smollm_path, "--proposer", "ngram", "-k", "8", "--show-draft")
     try:
         stats = ask(child, REPEAT + "\r")
         shown = child.answer.replace("\r\n", "\n")
+        child.send("/draft off\r")
+        child.expect("drafted text plain")
+        off = ask(child, "Once more, the same.\r")
+        assert re.search(r"[1-9]\d*/\d+ drafted accepted", off.group(0)) and DRAFT_ON not in child.answer
+        child.send("/draft on\r")
+        child.expect("drafted text coloured")
+        on = ask(child, "And again.\r")
+        assert re.search(r"[1-9]\d*/\d+ drafted accepted", on.group(0)) and DRAFT_ON in child.answer
         leave(child)
     finally:
         child.close(force=True)

@@ -43,7 +43,7 @@ def bench_backend(m: Model, prompt: list[int], n: int) -> float:
 def bench_engine(engine: Engine, prompt: list[int], n: int) -> float:
     """The full `edgespec generate` path: engine loop, EOS checks, text streaming."""
     engine.target.trim(0)
-    out = engine.generate(prompt, GenerationConfig(max_tokens=n + 1, sampling=SamplingConfig(temperature=0.0)))
+    out = engine.generate(prompt, GenerationConfig(max_tokens=n + 1, sampling=SamplingConfig(temperature=0.0), memory=None))
     if out.stats.completion_tokens < n + 1:
         raise SystemExit(f"the model stopped after {out.stats.completion_tokens} tokens; use a longer-answer prompt")
     return out.stats.tokens_per_second

@@ -106,7 +106,8 @@ def main() -> None:
     tool = llama_tools.tool("llama-speculative-simple", build=True, avx2=same_kernels) if args.llama_cpp else None
     skip, sources = (args.per_category, workloads.HELD_OUT_SOURCES) if args.held_out else (0, workloads.EDIT_SOURCES)
     prompts = workloads.spec_bench(args.per_category, skip=skip) + workloads.code_edits(args.code_edits, sources)
-    config = GenerationConfig(max_tokens=args.max_tokens)
+    # Prompt-only speculation: with cross-request memory a second repeat would copy the first's answer.
+    config = GenerationConfig(max_tokens=args.max_tokens, memory=None)
 
     rows, prompt_tokens, stalled = [], [], []
     at_context: dict[int, list[float]] = {}  # per code edit, t(B)/t(1) measured at its context
@@ -154,7 +155,7 @@ def main() -> None:
                                          "mode": f"llama.cpp {spec}", "tokens": n, "seconds": secs,
                                          "drafted": drafted, "accepted": accepted, "cycles": 0})
                         else:
-                            out = auto.generate(tokens, GenerationConfig(max_tokens=lengths[spec] + 1))
+                            out = auto.generate(tokens, GenerationConfig(max_tokens=lengths[spec] + 1, memory=None))
                             rows.append(stats_row(category, i, rep, f"auto, {spec} length", out.stats,
                                                   out.stats.decode_seconds, out.tokens))
         print(f"[{i + 1}/{len(prompts)}] {category} done, {time.time() - t_start:.0f}s", file=sys.stderr)

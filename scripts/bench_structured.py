@@ -56,7 +56,7 @@ def main() -> None:
     for task in tasks:
         prompt = prompt_of(engine, task)
         configs = {m: GenerationConfig(max_tokens=args.max_tokens, proposer=p,
-                                       json_schema=task["schema"] if constrained else None)
+                                       json_schema=task["schema"] if constrained else None, memory=None)
                    for m, (p, constrained) in MODES.items()}
         # Each mode in its own slot, in lockstep (bench_spec.py): a slow spell falls on all of them alike.
         results = lockstep_streams({m: engine.stream(prompt, c) for m, c in configs.items()})

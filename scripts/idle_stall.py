@@ -26,7 +26,7 @@ def majflt() -> int:
 def first_steps(engine: Engine, prompt: str, n: int) -> list[tuple[float, int]]:
     """(seconds, major faults) of the prefill and of each of the next n-1 steps."""
     out, faults, t = [], majflt(), time.perf_counter()
-    for chunk in engine.stream(prompt, GenerationConfig(max_tokens=n)):
+    for chunk in engine.stream(prompt, GenerationConfig(max_tokens=n, memory=None)):
         now, f = time.perf_counter(), majflt()
         out.append((now - t, f - faults))
         faults, t = f, now

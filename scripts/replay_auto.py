@@ -55,7 +55,7 @@ def record(args: argparse.Namespace) -> None:
     for category, text in workloads.spec_bench(args.per_category, skip=skip) + workloads.code_edits(args.code_edits,
                                                                                                    sources):
         prompt = engine.chat_tokens([{"role": "user", "content": text}])
-        out = engine.generate(prompt, GenerationConfig(max_tokens=args.max_tokens))
+        out = engine.generate(prompt, GenerationConfig(max_tokens=args.max_tokens, memory=None))
         traces.append({"category": category, "prompt": list(prompt), "output": list(out.tokens)})
         print(f"{category}: {len(prompt)} prompt tokens, {len(out.tokens)} generated", file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -90,7 +90,7 @@ def record(args: argparse.Namespace) -> None:
     for mode, sc in (("greedy", SamplingConfig()), ("sampled", SAMPLED)):
         for category, text in prompts:
             prompt = engine.chat_tokens([{"role": "user", "content": text}])
-            out = list(engine.generate(prompt, GenerationConfig(max_tokens=args.max_tokens, sampling=sc)).tokens)
+            out = list(engine.generate(prompt, GenerationConfig(max_tokens=args.max_tokens, sampling=sc, memory=None)).tokens)
             if len(out) < 2:
                 continue
             d_rows = _rows(draft, prompt, out)

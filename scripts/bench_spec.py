@@ -16,7 +16,8 @@ length, so on the code-editing set each llama.cpp run is paired with a run of
 auto for as many tokens as it decoded, and the two are compared at equal length; under a build
 without AVX-512 on an AVX-512 CPU, the tools are built the same way (scripts/llama_tools.py --avx2).
 Per code edit the report sets auto against the oracle of scripts/replay_auto.py on plain decoding's
-output under this run's calibrated curve: the speed of lookup knowing which tokens will be accepted.
+output (the speed of lookup knowing which tokens will be accepted), priced on this run's calibrated
+curve and on t(B) timed at the edit's own context.
 
     python scripts/bench_spec.py --llama-cpp --plot
         # plain decoding and auto; llama.cpp's own n-gram speculation on the code-editing set
@@ -414,6 +415,7 @@ def oracle_report(rows: list[dict], prompts: list[list[int]], curve: dict[int, f
             got = [h[j] for h in heavy]
             print(f"copy-heavy edits (≥ {COPY_HEAVY:.0%} copied), {name}: auto at {min(got):.0%}-{max(got):.0%} "
                   f"of the oracle, mean {sum(got) / len(got):.0%}")
+
 
 if __name__ == "__main__":
     main()

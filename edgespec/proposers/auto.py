@@ -58,12 +58,12 @@ class AutoProposer:
         self._shadow = (len(context), ng.tokens, ng.match) if ng.tokens else None
         # Once token j is accepted the match is ng.match + j long, so each position has its own estimate.
         keys = [match_class(ng.match + j) for j in range(len(ng.tokens))]
+        mem, mem_accept, mem_low = self._memory_bets(context, k)
         bets = Bets(ngram=[self.ngram_accept.get(c) for c in keys],
                     ngram_low=[self.ngram_accept.lower(c, self.confidence_z) for c in keys],
                     draft=self.draft_accept.chain(k) if self.draft is not None else None,
-                    draft_lag=self.draft.lag(context) if self.draft is not None else 0)
-        mem, mem_accept, mem_low = self._memory_bets(context, k)
-        bets = dataclasses.replace(bets, memory=mem_accept, memory_low=mem_low)
+                    draft_lag=self.draft.lag(context) if self.draft is not None else 0,
+                    memory=mem_accept, memory_low=mem_low)
         source, n = choose_proposal(self.cost_tracker.costs, bets, k)
         if source == "ngram":
             self._chosen = Proposal(ng.tokens[:n], source="ngram", match=ng.match)
@@ -108,11 +108,7 @@ class AutoProposer:
         if self._shadow is None:
             return
         start, tokens, match = self._shadow
-        committed = context[start:]
-        for j, t in enumerate(tokens[: len(committed)]):
-            self.ngram_accept.update(match_class(match + j), t == committed[j])
-            if t != committed[j]:
-                break
+        _score(self.ngram_accept, [match_class(match + j) for j in range(len(tokens))], tokens, context[start:])
         self._shadow = None
 
 

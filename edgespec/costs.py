@@ -167,7 +167,7 @@ def _measured_or_timed(model, batches: tuple[int, ...], cache_dir: Path, device:
     if cached is not None and cached[0] == batches:
         log.info("costs of %s from cache %s", model.path.name, path)
         return cached[1]
-    seconds = _time_batches(model, batches, progress)
+    seconds = time_batches(model, batches, progress)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -189,7 +189,7 @@ def _read_cached(path: Path) -> tuple[tuple[int, ...], tuple[float, ...]] | None
     return None
 
 
-def _time_batches(model, batches: Sequence[int], progress: TimingProgress | None = None) -> tuple[float, ...]:
+def time_batches(model, batches: Sequence[int], progress: TimingProgress | None = None) -> tuple[float, ...]:
     """Seconds to decode each batch size with logits on every row, as verification asks.
 
     Warm-up passes first (page faults, thread pool, both kernel paths); then

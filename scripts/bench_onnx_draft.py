@@ -33,7 +33,7 @@ import machine  # noqa: E402
 from edgespec import ort, placement  # noqa: E402
 from edgespec.backend import Model, devices  # noqa: E402
 from edgespec.config import LoadConfig  # noqa: E402
-from edgespec.costs import CALIBRATION_BATCHES, _time_batches  # noqa: E402
+from edgespec.costs import CALIBRATION_BATCHES, time_batches  # noqa: E402
 from edgespec.onnx_export import export  # noqa: E402
 from edgespec.onnx_files import export_dir  # noqa: E402
 
@@ -89,7 +89,7 @@ def main() -> None:
     for dev, p in pairs:
         m = ort.OnnxModel(exports[p], load, dev)
         drafts[f"onnxruntime {p} on {m.device}"] = m
-    t_curve = _time_batches(target, CALIBRATION_BATCHES)
+    t_curve = time_batches(target, CALIBRATION_BATCHES)
     args.machine = machine.record(target, args.threads)
     samples: dict[str, list[float]] = {name: [] for name in drafts}
     for _ in range(args.rounds):  # round-robin: each round times every draft once

@@ -137,7 +137,7 @@ def main() -> None:
         if category == "code-edit" and auto is not None:
             # t(B) where the edit ran (the cache holds its prompt and answer): big batches cost more there than
             # at load, where calibration measured them, and the oracle should pay what auto paid.
-            seconds = costs._time_batches(plain.target, tuple(where["batches"]))
+            seconds = costs.time_batches(plain.target, tuple(where["batches"]))
             at_context[i] = [t / seconds[0] for t in seconds]
         if tool is not None and category == "code-edit":
             prompt_text = plain.chat_text(messages)

@@ -25,7 +25,7 @@ class Proposal:
     # The proposer's own distribution at each position (same filters as the
     # target's) when it has one; None means the tokens are point guesses.
     dists: list[Dist] | None = None
-    source: str = ""  # which proposer made it ("ngram", "draft"; "none" for a plain step)
+    source: str = ""  # which proposer made it ("ngram", "memory", "draft"; "none" for a plain step)
     match: int = 0  # n-gram lookup: context tokens that matched where the proposal was copied from
     seen: int = 0  # memory: earlier places that matched as far and continued this way
 

@@ -15,7 +15,8 @@ same) and corrects it from the passes it sees, as it does live; with `--load F
 an oracle that knows how far each lookup proposal will be accepted and takes the
 best batch size for it: the ceiling for this proposer; and lookup at each fixed
 `--fixed-k` (whatever it proposes, up to K, verified; batch sizes between the curve's
-points are priced by linear interpolation). Kernel flips under
+points are priced by linear interpolation); and with `--map-k` a model of llama.cpp's
+ngram-map-k proposer under the same curve. Kernel flips under
 batched verification are not modelled (the replayed output is always the
 recorded one), so absolute figures read a little high; comparisons between
 versions of the chooser are what it is for.
@@ -149,6 +150,24 @@ def oracle_one(prompt: list[int], out: list[int], curve: dict[int, float]) -> tu
     return cost, copied
 
 
+def map_k_one(prompt: list[int], out: list[int], curve: dict[int, float], key: int = 12, value: int = 48) -> float:
+    """Cost in single steps of a model of llama.cpp's ngram-map-k (common/ngram-map.cpp, its defaults): the last
+    `key` tokens found earlier (the latest place whose `value` tokens that follow lie wholly before them) propose
+    those `value` tokens, and every proposal is verified whole."""
+    pos, cost = 1, 0.0
+    while pos < len(out):
+        context = prompt + out[:pos]
+        draft: list[int] = []
+        if len(context) >= 2 * key + value:
+            tail = context[-key:]
+            j = next((j for j in range(len(context) - key - value - 1, 0, -1) if context[j: j + key] == tail), 0)
+            draft = context[j + key: j + key + value][: len(out) - pos - 1] if j else []
+        n = next((i for i, t in enumerate(draft) if t != out[pos + i]), len(draft))
+        cost += batch_cost(curve, len(draft) + 1)
+        pos += n + 1
+    return cost
+
+
 def replay(args: argparse.Namespace) -> None:
     curve = dict(zip(CALIBRATION_BATCHES, (float(x) for x in args.curve.split(","))))
     calibrated = [float(x) for x in (args.calibrated or args.curve).split(",")]
@@ -163,20 +182,24 @@ def replay(args: argparse.Namespace) -> None:
         return args.load if (next(passes) // args.spell) % 2 else 1.0
 
     fixed = [int(k) for k in args.fixed_k.split(",")] if args.fixed_k else []
-    # per category: tokens, auto steps, oracle steps, then steps at each fixed k
-    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0] + [0.0] * len(fixed))
+    # per category: tokens, auto steps, oracle steps, ngram-map-k's steps, then steps at each fixed k
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0] + [0.0] * len(fixed))
     for tr, (prompt, output) in zip(traces, dense(traces)):
         out = output[: args.max_tokens]
         t = totals[tr["category"]]
         t[0] += len(out) - 1
         t[1] += replay_one(prompt, out, curve, auto, load)
         t[2] += oracle_one(prompt, out, curve)[0]
+        t[3] += map_k_one(prompt, out, curve) if args.map_k else 0.0
         for i, k in enumerate(fixed):
-            t[3 + i] += replay_one(prompt, out, curve, NgramProposer(lambda t: False), load, k)
-    print("| category | auto ÷ plain | oracle ÷ plain | auto ÷ oracle |" + "".join(f" lookup k={k} |" for k in fixed))
-    print("|---|---:|---:|---:|" + "---:|" * len(fixed))
-    for cat, (n, steps, oracle, *at_k) in totals.items():
+            t[4 + i] += replay_one(prompt, out, curve, NgramProposer(lambda t: False), load, k)
+    map_k = " ngram-map-k ÷ plain | auto ÷ ngram-map-k |" if args.map_k else ""
+    print("| category | auto ÷ plain | oracle ÷ plain | auto ÷ oracle |" + map_k
+          + "".join(f" lookup k={k} |" for k in fixed))
+    print("|---|---:|---:|---:|" + "---:|" * (len(fixed) + 2 * bool(args.map_k)))
+    for cat, (n, steps, oracle, mk, *at_k) in totals.items():
         print(f"| {cat} | {n / steps:.2f}× | {n / oracle:.2f}× | {oracle / steps:.0%} |"
+              + (f" {n / mk:.2f}× | {mk / steps:.2f}× |" if args.map_k else "")
               + "".join(f" {n / s:.2f}× |" for s in at_k))
 
 
@@ -201,6 +224,7 @@ def main() -> None:
     rep.add_argument("--load", type=float, default=1.0, help="cost factor auto sees in every other spell")
     rep.add_argument("--spell", type=int, default=50, help="passes per spell of --load")
     rep.add_argument("--fixed-k", default="", help="also lookup at these fixed K, e.g. 2,4,8,16")
+    rep.add_argument("--map-k", action="store_true", help="also a model of llama.cpp's ngram-map-k (map_k_one)")
     args = ap.parse_args()
     record(args) if args.command == "record" else replay(args)
 

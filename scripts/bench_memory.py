@@ -15,7 +15,8 @@ Workloads, built from real sources, in this order (the memory grows through the 
 
 Reported per workload: decode tok/s of each mode (tokens after the first over decode time, summed), the ratio,
 acceptance, the share of cycles that verified a memory proposal, and what the memory cost per cycle (its lookup,
-timed inside the index) and per generation written (adding, saving).
+timed inside the index) and per generation written (adding, saving). The JSON keeps every prompt, both outputs,
+how many entries the memory held before each prompt and those entries, for scripts/replay_memory.py.
 
     python scripts/bench_memory.py --out bench-results/memory.json
 """
@@ -82,7 +83,9 @@ def chat(engine: Engine, text: str, history: tuple = ()) -> list[int]:
 
 def run_pair(engine: Engine, workload: str, prompt: list[int], config: GenerationConfig, stall_bar: float,
              stalls: list[str]) -> list[dict]:
-    """Both modes on one prompt, in lockstep; one row per mode."""
+    """Both modes on one prompt, in lockstep; one row per mode, with the prompt and how many entries the memory
+    held before it (scripts/replay_memory.py rebuilds the memory from those)."""
+    held = engine.memory.get("local").n_entries
     streams = {mode: engine.stream(prompt, dataclasses.replace(config, memory=ns, slot=slot))
                for mode, (ns, slot) in MODES.items()}
     found: dict = {}
@@ -90,7 +93,8 @@ def run_pair(engine: Engine, workload: str, prompt: list[int], config: Generatio
     stalls += [f"{workload} {mode}: {t:.2f} s" for mode, times in found.items() for t in times]
     return [{"workload": workload, "mode": mode, "tokens": s.completion_tokens - 1, "seconds": secs,
              "drafted": s.drafted, "accepted": s.accepted, "cycles": s.cycles,
-             "by_proposer": dict(s.cycles_by_proposer), "output": out} for mode, (s, secs, out) in done.items()]
+             "by_proposer": dict(s.cycles_by_proposer), "output": out, "prompt": prompt, "entries_before": held,
+             "temperature": config.sampling.temperature} for mode, (s, secs, out) in done.items()]
 
 
 def sessions(engine: Engine, max_tokens: int) -> list[list[tuple[list[int], str]]]:
@@ -181,7 +185,7 @@ def main() -> None:
     print(f"wall time {time.time() - t0:.0f}s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "machine": where, "rows": rows,
-                                    "memory_cost": cost, "stalls": stalls}, indent=1))
+                                    "memory_cost": cost, "stalls": stalls, "memory_entries": memory.entries()}))
     engine.close()
 
 

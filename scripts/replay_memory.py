@@ -1,0 +1,117 @@
+"""Replay bench_memory's generations under several cost curves: what the memory adds to `auto`, and the ceiling.
+
+    python scripts/replay_memory.py bench-results/memory.json [--curve NAME=1,1.7,...]
+
+bench_memory.py stores every prompt, both modes' outputs, how many entries the memory held before each
+prompt, and those entries. Here each prompt-only output (the target's own tokens) is replayed through the
+engine's loop (replay_auto.RecordedTarget: a pass is charged t(B) from a curve, a proposed token is accepted
+when it is the recorded one) three ways: prompt-only `auto`, `auto` reading a memory rebuilt from the entries
+the live run held at that point, and an oracle that knows how far the lookup and the memory proposals will be
+accepted and takes the best of both at the best batch size each cycle: the ceiling of these two sources under
+that curve. Each mode keeps one proposer across the prompts, as the benchmark's slots do. At temperature 0.7
+a proposed token is accepted with the probability the target gave it; matching the one recorded sample has
+that same chance, so the replay prices sampled answers too. Kernel flips are not modelled, and curves not
+measured on this machine are labelled simulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from replay_auto import replay_one  # noqa: E402
+
+from edgespec.costs import CostTracker  # noqa: E402
+from edgespec.memory import Memory  # noqa: E402
+from edgespec.policy import Costs  # noqa: E402
+from edgespec.proposers.auto import AutoProposer  # noqa: E402
+from edgespec.proposers.memory import MemoryProposer  # noqa: E402
+from edgespec.proposers.ngram import NgramProposer  # noqa: E402
+
+QWEN_EOG = (151643, 151645)  # <|endoftext|>, <|im_end|>: the memory never proposes past them
+CURVES = {  # t(B)/t(1) at B = 1, 2, 4, 8, 16, 32, 64 (fewer where a curve stops)
+    "AVX-512 EPYC, 2 threads (measured)": "1,1.71,2.7,4.58,5.31,9.09,16.3",
+    "AVX2 build on it (measured)": "1,1.74,2.83,6.27,8.65,15.53,29.7",
+    "RTX 3090 (SIMULATED: llama.cpp PR 15802's batch curve, B <= 8)": "1,1.119,1.331,2.146",
+}
+
+
+def oracle(prompt: list[int], out: list[int], curve: dict[int, float], memory: Memory | None,
+           is_eog) -> float:
+    """Steps of the cycle-by-cycle best: lookup's or the memory's proposal, cut where it stops being accepted,
+    at the batch that commits most per step."""
+    lookup, mem = NgramProposer(lambda t: False), MemoryProposer(is_eog, memory)
+    lookup.begin(prompt + out[:1])
+    pos, cost = 1, 0.0
+    while pos < len(out):
+        context = prompt + out[:pos]
+        k = min(max(curve) - 1, len(out) - pos - 1)
+        best_n, best_b = 0, 1
+        for source in (lookup, mem) if k > 0 else ():
+            draft = source.propose(context, k).tokens
+            n = next((i for i, t in enumerate(draft) if t != out[pos + i]), len(draft))
+            b = max((b for b in curve if b <= k + 1), key=lambda b: (min(b - 1, n) + 1) / curve[b])
+            if (min(b - 1, n) + 1) / curve[b] > (best_n + 1) / curve[best_b]:
+                best_n, best_b = min(b - 1, n), b
+        cost += curve[best_b]
+        pos += best_n + 1
+    return cost
+
+
+def replay(data: dict, curve: dict[int, float]) -> dict[str, list[float]]:
+    """Per workload: tokens, then steps of prompt-only auto, memory+auto, the lookup-only oracle and the
+    two-source oracle."""
+    ids: dict[int, int] = {}
+    remap = lambda ts: [ids.setdefault(t, len(ids)) for t in ts]  # noqa: E731
+    entries = [remap(e) for e in data["memory_entries"]]
+    eog = {ids.setdefault(t, len(ids)) for t in QWEN_EOG}
+    is_eog = eog.__contains__
+    costs = Costs(tuple(curve), tuple(curve.values()))
+    plain = AutoProposer(NgramProposer(lambda t: False), None, CostTracker(costs))
+    with_memory = AutoProposer(NgramProposer(lambda t: False), None, CostTracker(costs))
+    memory, held = Memory(None), 0
+    with_memory.memory = MemoryProposer(is_eog, memory)
+    totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
+    rows = [r for r in data["rows"] if r["mode"] == "auto"]
+    for r in rows:
+        for entry in entries[held: r["entries_before"]]:
+            memory.add(entry)
+        held = max(held, r["entries_before"])
+        prompt, out = remap(r["prompt"]), remap(r["output"])
+        t = totals[r["workload"]]
+        t[0] += len(out) - 1
+        t[1] += replay_one(prompt, out, curve, plain)
+        t[2] += replay_one(prompt, out, curve, with_memory)
+        t[3] += oracle(prompt, out, curve, None, is_eog)
+        t[4] += oracle(prompt, out, curve, memory, is_eog)
+    return totals
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", type=Path, help="bench_memory.py's JSON")
+    ap.add_argument("--curve", action="append", default=[], help="NAME=t(1),t(2),... (repeatable)")
+    args = ap.parse_args()
+    data = json.loads(args.results.read_text())
+    if "memory_entries" not in data:
+        sys.exit(f"{args.results} has no memory entries: rerun scripts/bench_memory.py, which now stores them")
+    curves = dict(c.split("=", 1) for c in args.curve) or CURVES
+    for name, spec in curves.items():
+        values = [float(x) for x in spec.split(",")]
+        curve = dict(zip((1, 2, 4, 8, 16, 32, 64), values))
+        print(f"\n{name}: t(B)/t(1) = {', '.join(f'{v:g}' for v in values)}\n")
+        print("| workload | auto ÷ plain | memory+auto ÷ plain | memory+auto ÷ auto | oracle, lookup ÷ plain "
+              "| oracle, lookup + memory ÷ plain | the two oracles' ratio |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for workload, (n, a, m, ol, om) in replay(data, curve).items():
+            print(f"| {workload} | {n / a:.2f}× | {n / m:.2f}× | {a / m:.2f}× | {n / ol:.2f}× | {n / om:.2f}× "
+                  f"| {ol / om:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()

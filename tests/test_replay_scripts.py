@@ -1,0 +1,57 @@
+"""The replay benchmarks' pure parts: the ngram-map-k model and the two-source oracle (no models loaded)."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import replay_auto  # noqa: E402
+import replay_memory  # noqa: E402
+
+from edgespec.memory import Memory  # noqa: E402
+
+CURVE = {1: 1.0, 2: 1.71, 4: 2.7, 8: 4.58, 16: 5.31, 32: 9.09, 64: 16.3}
+
+
+def _tokens(n: int, seed: int, lo: int = 1000) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(lo, lo + 5000) for _ in range(n)]
+
+
+def test_map_k_verifies_nothing_without_a_repeated_key():
+    prompt, out = _tokens(200, 1), _tokens(60, 2, lo=9000)
+    assert replay_auto.map_k_one(prompt, out, CURVE) == len(out) - 1  # one plain step per token after the first
+
+
+def test_map_k_copies_48_tokens_after_a_12_token_key():
+    source = _tokens(120, 3)
+    prompt = _tokens(50, 4, lo=20000) + source
+    out = source[:100]  # the answer copies the prompt's span
+    cost = replay_auto.map_k_one(prompt, out, CURVE)
+    # No key until 12 tokens are out; then 48-token drafts, each accepted whole, at t(49) interpolated.
+    assert cost < 0.6 * (len(out) - 1)
+    assert cost > 11  # the first 11 steps are plain: the key is not yet long enough
+
+
+def test_two_source_oracle_is_lookup_oracle_without_memory_and_cheaper_with_it():
+    prompt, out = _tokens(80, 5), _tokens(90, 6, lo=30000)
+    alone = replay_memory.oracle(prompt, out, CURVE, None, lambda t: False)
+    assert alone == replay_auto.oracle_one(prompt, out, CURVE)[0] == len(out) - 1
+    memory = Memory(None)
+    memory.add(prompt[-32:] + out)  # the same answer written before
+    assert replay_memory.oracle(prompt, out, CURVE, memory, lambda t: False) < 0.5 * alone
+
+
+def test_replay_prices_memory_only_for_the_mode_that_reads_it():
+    prompt, out = _tokens(40, 7), _tokens(120, 8, lo=40000)
+    row = {"workload": "w", "prompt": prompt, "output": out}
+    data = {"rows": [dict(row, mode="auto", entries_before=0), dict(row, mode="auto", entries_before=1)],
+            "memory_entries": [prompt[-32:] + out]}
+    n, plain_auto, with_memory, lookup_oracle, both_oracle = replay_memory.replay(data, CURVE)["w"]
+    assert n == 2 * (len(out) - 1)
+    assert plain_auto == lookup_oracle == n  # nothing in either prompt repeats: plain steps only
+    assert with_memory < 0.8 * plain_auto  # the second generation copies the remembered answer
+    assert both_oracle <= with_memory

@@ -153,16 +153,19 @@ def oracle_one(prompt: list[int], out: list[int], curve: dict[int, float]) -> tu
 def map_k_one(prompt: list[int], out: list[int], curve: dict[int, float], key: int = 12, value: int = 48) -> float:
     """Cost in single steps of a model of llama.cpp's ngram-map-k (common/ngram-map.cpp, its defaults): the last
     `key` tokens found earlier (the latest place whose `value` tokens that follow lie wholly before them) propose
-    those `value` tokens, and every proposal is verified whole."""
-    pos, cost = 1, 0.0
+    the tokens that follow, as many as that key's last draft had accepted (`value` at first), verified whole."""
+    pos, cost, last_accepted = 1, 0.0, {}
     while pos < len(out):
         context = prompt + out[:pos]
         draft: list[int] = []
-        if len(context) >= 2 * key + value:
-            tail = context[-key:]
-            j = next((j for j in range(len(context) - key - value - 1, 0, -1) if context[j: j + key] == tail), 0)
-            draft = context[j + key: j + key + value][: len(out) - pos - 1] if j else []
+        tail = tuple(context[-key:])
+        if len(context) - 1 >= 2 * key + value:  # llama.cpp counts the context without the token just sampled
+            j = next((j for j in range(len(context) - key - value - 2, 0, -1) if tuple(context[j: j + key]) == tail), 0)
+            draft = context[j + key: j + key + min(value, last_accepted.get(tail, value))] if j else []
+        draft = draft[: len(out) - pos - 1]
         n = next((i for i, t in enumerate(draft) if t != out[pos + i]), len(draft))
+        if draft:
+            last_accepted[tail] = n
         cost += batch_cost(curve, len(draft) + 1)
         pos += n + 1
     return cost

@@ -8,7 +8,8 @@ Workloads, built from real sources, in this order (the memory grows through the 
 
     session    three-turn conversations about standard-library functions, recorded once by a first engine,
                then replayed by a new engine after it was closed (the memory comes from its file)
-    edits      the same edit instruction over many standard-library functions (their source, by inspect)
+    edits      the same edit instruction over many standard-library functions (their source, by inspect);
+               --edit-task picks the instruction (type hints by default)
     extract    the same JSON extraction over many standard-library functions' signatures and docstrings
     regen      an answer regenerated at temperature 0.7 (the first answer, seed 1, is not timed)
     Spec-Bench the first turn of the first questions of each category (scripts/workloads.py), greedy
@@ -52,7 +53,6 @@ from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig, Samplin
 from edgespec.models.store import MEMORY_ENV  # noqa: E402
 
 MODES = {"memory+auto": ("local", 0), "auto": (None, 1)}  # (memory namespace, slot)
-EDIT = workloads.EDIT_TASKS[0]
 EDIT_SOURCES = (textwrap.indent, statistics.median, difflib.get_close_matches, shlex.split, urllib.parse.urljoin,
                 heapq.nlargest, statistics.variance, textwrap.dedent, fnmatch.fnmatch, statistics.geometric_mean,
                 string.capwords, statistics.mode, heapq.merge, urllib.parse.urldefrag, shlex.quote, textwrap.shorten)
@@ -90,7 +90,8 @@ def run_pair(engine: Engine, workload: str, prompt: list[int], config: Generatio
                for mode, (ns, slot) in MODES.items()}
     found: dict = {}
     done = lockstep_streams(streams, found, stall_bar)
-    stalls += [f"{workload} {mode}: {t:.2f} s" for mode, times in found.items() for t in times]
+    stalls += [f"{workload} {mode}: {secs:.2f} s at token {at} ({faults} major page faults, {gc:.2f} s in the "
+               f"garbage collector)" for mode, times in found.items() for secs, faults, gc, at in times]
     return [{"workload": workload, "mode": mode, "tokens": s.completion_tokens - 1, "seconds": secs,
              "drafted": s.drafted, "accepted": s.accepted, "cycles": s.cycles,
              "by_proposer": dict(s.cycles_by_proposer), "output": out, "prompt": prompt, "entries_before": held,
@@ -116,7 +117,8 @@ def sessions(engine: Engine, max_tokens: int) -> list[list[tuple[list[int], str]
 def workload_prompts(engine: Engine, args) -> list[tuple[str, list[int], GenerationConfig]]:
     """(workload, prompt, config) of every timed generation after the session replay, in order."""
     greedy = GenerationConfig(max_tokens=args.max_tokens)
-    out = [("edits", chat(engine, f"{EDIT}\n\n```python\n{inspect.getsource(fn)}```"), greedy)
+    edit = workloads.EDIT_TASKS[args.edit_task]
+    out = [("edits", chat(engine, f"{edit}\n\n```python\n{inspect.getsource(fn)}```"), greedy)
            for fn in EDIT_SOURCES[: args.edits]]
     out += [("extract", chat(engine, f"{EXTRACT}\n\n{record(fn)}"), greedy) for fn in EXTRACT_SOURCES[: args.extract]]
     out += [(category, chat(engine, text), GenerationConfig(max_tokens=args.spec_tokens))
@@ -148,6 +150,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=160, help="per answer of the recurring workloads")
     ap.add_argument("--edits", type=int, default=12)
+    ap.add_argument("--edit-task", type=int, default=0, choices=range(len(workloads.EDIT_TASKS)),
+                    help="which of workloads.EDIT_TASKS the edits apply (0: type hints, 1: docstring, 2: renames)")
     ap.add_argument("--extract", type=int, default=12)
     ap.add_argument("--regen", type=int, default=5)
     ap.add_argument("--per-category", type=int, default=3, help="Spec-Bench questions per category")

@@ -63,7 +63,7 @@ def oracle(prompt: list[int], out: list[int], curve: dict[int, float], memory: M
     return cost
 
 
-def replay(data: dict, curve: dict[int, float]) -> dict[str, list[float]]:
+def replay(data: dict, curve: dict[int, float], memory_carry: float | None = None) -> dict[str, list[float]]:
     """Per workload: tokens, then steps of prompt-only auto, memory+auto, the lookup-only oracle and the
     two-source oracle."""
     ids: dict[int, int] = {}
@@ -74,6 +74,8 @@ def replay(data: dict, curve: dict[int, float]) -> dict[str, list[float]]:
     costs = Costs(tuple(curve), tuple(curve.values()))
     plain = AutoProposer(NgramProposer(lambda t: False), None, CostTracker(costs))
     with_memory = AutoProposer(NgramProposer(lambda t: False), None, CostTracker(costs))
+    if memory_carry is not None:
+        with_memory.memory_carry = memory_carry
     memory, held = Memory(None), 0
     with_memory.memory = MemoryProposer(is_eog, memory)
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
@@ -96,6 +98,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", type=Path, help="bench_memory.py's JSON")
     ap.add_argument("--curve", action="append", default=[], help="NAME=t(1),t(2),... (repeatable)")
+    ap.add_argument("--memory-carry", type=float, help="share of the memory estimates' counts a request keeps "
+                    "(default: auto's MEMORY_CARRY)")
     args = ap.parse_args()
     data = json.loads(args.results.read_text())
     if "memory_entries" not in data:
@@ -108,7 +112,7 @@ def main() -> None:
         print("| workload | auto ÷ plain | memory+auto ÷ plain | memory+auto ÷ auto | oracle, lookup ÷ plain "
               "| oracle, lookup + memory ÷ plain | the two oracles' ratio |")
         print("|---|---:|---:|---:|---:|---:|---:|")
-        for workload, (n, a, m, ol, om) in replay(data, curve).items():
+        for workload, (n, a, m, ol, om) in replay(data, curve, args.memory_carry).items():
             print(f"| {workload} | {n / a:.2f}× | {n / m:.2f}× | {a / m:.2f}× | {n / ol:.2f}× | {n / om:.2f}× "
                   f"| {ol / om:.2f}× |")
 

@@ -189,6 +189,18 @@ def test_auto_bets_on_a_long_memory_match_and_learns_from_its_failures():
     assert sources[0] == "memory" and sources[-5:] == ["none"] * 5, sources
 
 
+def test_a_new_request_keeps_half_of_the_memory_estimates_evidence_and_all_of_lookups():
+    auto = auto_with(Memory(None))
+    key = memory_class(7, 2)
+    for _ in range(10):
+        auto.memory_accept.update(key, True)
+        auto.ngram_accept.update(5, True)
+    memory_before, lookup_before = auto.memory_accept._counts[key], auto.ngram_accept._counts[5]
+    auto.begin([1, 2, 3], None, None)
+    assert auto.memory_accept._counts[key] == pytest.approx(tuple(c * 0.5 for c in memory_before))
+    assert auto.ngram_accept._counts[5] == lookup_before  # lookup's carry stays 1.0 (docs/bench/replay-curves.md)
+
+
 def test_lookup_cost_stays_small_on_a_full_store():
     m = Memory(None, max_tokens=mem.DEFAULT_MAX_TOKENS)
     rng = np.random.default_rng(2)

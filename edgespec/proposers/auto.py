@@ -23,6 +23,9 @@ from edgespec.proposers.memory import MemoryProposer
 from edgespec.proposers.ngram import NgramProposer
 
 
+MEMORY_CARRY = 0.5
+
+
 class AutoProposer:
     name = "auto"
 
@@ -35,15 +38,18 @@ class AutoProposer:
         self.carry = carry  # weight lookup's counts keep from one generation to the next
         self._chosen: Proposal = Proposal(source="none")
         self._shadow: tuple[int, list[int], int] | None = None  # (context length, n-gram tokens, match length)
-        # Earlier requests' text (the engine sets it when its memory is on), with estimates kept across requests:
-        # keyed by memory_class, learned like lookup's by scoring every proposal, used or not.
+        # Earlier requests' text (the engine sets it when its memory is on), with estimates keyed by memory_class,
+        # learned like lookup's by scoring every proposal, used or not. Only MEMORY_CARRY of their counts pass to
+        # the next request: what recurs changes with the workload (docs/bench/replay-memory.md).
         self.memory: MemoryProposer | None = None
         self.memory_accept = AcceptanceTracker(prior=memory_prior)
+        self.memory_carry = MEMORY_CARRY
         self._memory_shadow: tuple[int, Proposal] | None = None  # (context length, the memory's last proposal)
 
     def begin(self, prompt: Sequence[int], cfg: SamplingConfig, rng: np.random.Generator) -> None:
         self.ngram.begin(prompt, cfg, rng)
         self.ngram_accept.discount(self.carry)
+        self.memory_accept.discount(self.memory_carry)
         if self.draft is not None:
             self.draft.begin(prompt, cfg, rng)
         self._shadow = None

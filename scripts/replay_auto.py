@@ -40,6 +40,7 @@ from edgespec import loop
 from edgespec.config import MAX_K, GenerationConfig
 from edgespec.costs import CALIBRATION_BATCHES, CostTracker
 from edgespec.policy import CONFIDENCE_Z, Costs
+from edgespec.proposers import Proposer
 from edgespec.proposers.auto import AutoProposer
 from edgespec.proposers.ngram import NgramProposer
 
@@ -130,24 +131,33 @@ def replay_one(prompt: list[int], out: list[int], curve: dict[int, float], auto:
     return target.cost
 
 
-def oracle_one(prompt: list[int], out: list[int], curve: dict[int, float]) -> tuple[float, int]:
-    """Cost in single steps with lookup and, each cycle, the batch size that commits most per step; and
-    how many tokens it committed from lookup's proposals (the output's copied share)."""
+def oracle_one(prompt: list[int], out: list[int], curve: dict[int, float],
+               others: Sequence[Proposer] = ()) -> tuple[float, int]:
+    """Cost in single steps with lookup (and `others`: further proposal sources) and, each cycle, the proposal
+    and batch size that commit most per step; and how many tokens it committed from proposals (the output's
+    copied share)."""
     lookup = NgramProposer(lambda t: False)
     committed = prompt + out[:1]
     lookup.begin(committed)
     pos, cost, copied = 1, 0.0, 0
     while pos < len(out):
         k = min(max(curve) - 1, len(out) - pos - 1)
-        draft = lookup.propose(committed, k).tokens if k > 0 else []
-        n = next((i for i, t in enumerate(draft) if t != out[pos + i]), len(draft))
-        b = max((b for b in curve if b <= k + 1), key=lambda b: (min(b - 1, n) + 1) / curve[b])
-        n = min(b - 1, n)
-        cost += curve[b]
-        committed = committed + out[pos : pos + n + 1]
-        pos += n + 1
-        copied += n
+        best_n, best_b = 0, 1
+        for source in (lookup, *others) if k > 0 else ():
+            n = accepted_run(source.propose(committed, k).tokens, out, pos)
+            b = max((b for b in curve if b <= k + 1), key=lambda b: (min(b - 1, n) + 1) / curve[b])
+            if (min(b - 1, n) + 1) / curve[b] > (best_n + 1) / curve[best_b]:
+                best_n, best_b = min(b - 1, n), b
+        cost += curve[best_b]
+        committed = committed + out[pos : pos + best_n + 1]
+        pos += best_n + 1
+        copied += best_n
     return cost, copied
+
+
+def accepted_run(draft: Sequence[int], out: list[int], pos: int) -> int:
+    """How many of `draft`'s tokens equal the recorded output from `pos` on, up to the first that does not."""
+    return next((i for i, t in enumerate(draft) if t != out[pos + i]), len(draft))
 
 
 def map_k_one(prompt: list[int], out: list[int], curve: dict[int, float], key: int = 12, value: int = 48) -> float:
@@ -163,7 +173,7 @@ def map_k_one(prompt: list[int], out: list[int], curve: dict[int, float], key: i
             j = next((j for j in range(len(context) - key - value - 2, 0, -1) if tuple(context[j: j + key]) == tail), 0)
             draft = context[j + key: j + key + min(value, last_accepted.get(tail, value))] if j else []
         draft = draft[: len(out) - pos - 1]
-        n = next((i for i, t in enumerate(draft) if t != out[pos + i]), len(draft))
+        n = accepted_run(draft, out, pos)
         if draft:
             last_accepted[tail] = n
         cost += batch_cost(curve, len(draft) + 1)

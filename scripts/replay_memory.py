@@ -24,12 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from replay_auto import replay_one  # noqa: E402
+from replay_auto import oracle_one, replay_one  # noqa: E402
 
 from edgespec.costs import CostTracker  # noqa: E402
 from edgespec.memory import Memory  # noqa: E402
 from edgespec.policy import Costs  # noqa: E402
-from edgespec.proposers.auto import AutoProposer  # noqa: E402
+from edgespec.proposers.auto import MEMORY_CARRY, AutoProposer  # noqa: E402
 from edgespec.proposers.memory import MemoryProposer  # noqa: E402
 from edgespec.proposers.ngram import NgramProposer  # noqa: E402
 
@@ -41,29 +41,7 @@ CURVES = {  # t(B)/t(1) at B = 1, 2, 4, 8, 16, 32, 64 (fewer where a curve stops
 }
 
 
-def oracle(prompt: list[int], out: list[int], curve: dict[int, float], memory: Memory | None,
-           is_eog) -> float:
-    """Steps of the cycle-by-cycle best: lookup's or the memory's proposal, cut where it stops being accepted,
-    at the batch that commits most per step."""
-    lookup, mem = NgramProposer(lambda t: False), MemoryProposer(is_eog, memory)
-    lookup.begin(prompt + out[:1])
-    pos, cost = 1, 0.0
-    while pos < len(out):
-        context = prompt + out[:pos]
-        k = min(max(curve) - 1, len(out) - pos - 1)
-        best_n, best_b = 0, 1
-        for source in (lookup, mem) if k > 0 else ():
-            draft = source.propose(context, k).tokens
-            n = next((i for i, t in enumerate(draft) if t != out[pos + i]), len(draft))
-            b = max((b for b in curve if b <= k + 1), key=lambda b: (min(b - 1, n) + 1) / curve[b])
-            if (min(b - 1, n) + 1) / curve[b] > (best_n + 1) / curve[best_b]:
-                best_n, best_b = min(b - 1, n), b
-        cost += curve[best_b]
-        pos += best_n + 1
-    return cost
-
-
-def replay(data: dict, curve: dict[int, float], memory_carry: float | None = None) -> dict[str, list[float]]:
+def replay(data: dict, curve: dict[int, float], memory_carry: float = MEMORY_CARRY) -> dict[str, list[float]]:
     """Per workload: tokens, then steps of prompt-only auto, memory+auto, the lookup-only oracle and the
     two-source oracle."""
     ids: dict[int, int] = {}
@@ -73,9 +51,7 @@ def replay(data: dict, curve: dict[int, float], memory_carry: float | None = Non
     is_eog = eog.__contains__
     costs = Costs(tuple(curve), tuple(curve.values()))
     plain = AutoProposer(NgramProposer(lambda t: False), None, CostTracker(costs))
-    with_memory = AutoProposer(NgramProposer(lambda t: False), None, CostTracker(costs))
-    if memory_carry is not None:
-        with_memory.memory_carry = memory_carry
+    with_memory = AutoProposer(NgramProposer(lambda t: False), None, CostTracker(costs), memory_carry=memory_carry)
     memory, held = Memory(None), 0
     with_memory.memory = MemoryProposer(is_eog, memory)
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])
@@ -89,8 +65,8 @@ def replay(data: dict, curve: dict[int, float], memory_carry: float | None = Non
         t[0] += len(out) - 1
         t[1] += replay_one(prompt, out, curve, plain)
         t[2] += replay_one(prompt, out, curve, with_memory)
-        t[3] += oracle(prompt, out, curve, None, is_eog)
-        t[4] += oracle(prompt, out, curve, memory, is_eog)
+        t[3] += oracle_one(prompt, out, curve)[0]
+        t[4] += oracle_one(prompt, out, curve, [MemoryProposer(is_eog, memory)])[0]
     return totals
 
 
@@ -98,8 +74,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", type=Path, help="bench_memory.py's JSON")
     ap.add_argument("--curve", action="append", default=[], help="NAME=t(1),t(2),... (repeatable)")
-    ap.add_argument("--memory-carry", type=float, help="share of the memory estimates' counts a request keeps "
-                    "(default: auto's MEMORY_CARRY)")
+    ap.add_argument("--memory-carry", type=float, default=MEMORY_CARRY,
+                    help="share of the memory estimates' counts a request keeps (default: auto's MEMORY_CARRY)")
     args = ap.parse_args()
     data = json.loads(args.results.read_text())
     if "memory_entries" not in data:

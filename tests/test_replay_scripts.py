@@ -12,6 +12,7 @@ import replay_auto  # noqa: E402
 import replay_memory  # noqa: E402
 
 from edgespec.memory import Memory  # noqa: E402
+from edgespec.proposers.memory import MemoryProposer  # noqa: E402
 
 CURVE = {1: 1.0, 2: 1.71, 4: 2.7, 8: 4.58, 16: 5.31, 32: 9.09, 64: 16.3}
 
@@ -38,11 +39,12 @@ def test_map_k_copies_48_tokens_after_a_12_token_key():
 
 def test_two_source_oracle_is_lookup_oracle_without_memory_and_cheaper_with_it():
     prompt, out = _tokens(80, 5), _tokens(90, 6, lo=30000)
-    alone = replay_memory.oracle(prompt, out, CURVE, None, lambda t: False)
-    assert alone == replay_auto.oracle_one(prompt, out, CURVE)[0] == len(out) - 1
+    with_empty_memory = replay_auto.oracle_one(prompt, out, CURVE, [MemoryProposer(lambda t: False, Memory(None))])
+    alone = replay_auto.oracle_one(prompt, out, CURVE)
+    assert with_empty_memory == alone and alone[0] == len(out) - 1
     memory = Memory(None)
     memory.add(prompt[-32:] + out)  # the same answer written before
-    assert replay_memory.oracle(prompt, out, CURVE, memory, lambda t: False) < 0.5 * alone
+    assert replay_auto.oracle_one(prompt, out, CURVE, [MemoryProposer(lambda t: False, memory)])[0] < 0.5 * alone[0]
 
 
 def test_replay_prices_memory_only_for_the_mode_that_reads_it():

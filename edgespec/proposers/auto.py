@@ -30,7 +30,7 @@ class AutoProposer:
     name = "auto"
 
     def __init__(self, ngram: NgramProposer, draft: DraftProposer | None, costs: CostTracker,
-                 confidence_z: float = CONFIDENCE_Z, carry: float = 1.0) -> None:
+                 confidence_z: float = CONFIDENCE_Z, carry: float = 1.0, memory_carry: float = MEMORY_CARRY) -> None:
         self.ngram, self.draft, self.cost_tracker = ngram, draft, costs
         self.ngram_accept = AcceptanceTracker(prior=match_prior)  # keyed by match_class of the match length
         self.draft_accept = AcceptanceTracker()  # keyed by draft position, read as a chain (AcceptanceTracker.chain)
@@ -43,7 +43,7 @@ class AutoProposer:
         # the next request: what recurs changes with the workload (docs/bench/replay-memory.md).
         self.memory: MemoryProposer | None = None
         self.memory_accept = AcceptanceTracker(prior=memory_prior)
-        self.memory_carry = MEMORY_CARRY
+        self.memory_carry = memory_carry
         self._memory_shadow: tuple[int, Proposal] | None = None  # (context length, the memory's last proposal)
 
     def begin(self, prompt: Sequence[int], cfg: SamplingConfig, rng: np.random.Generator) -> None:

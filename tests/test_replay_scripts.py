@@ -1,4 +1,5 @@
-"""The replay benchmarks' pure parts: the ngram-map-k model and the two-source oracle (no models loaded)."""
+"""The replay benchmarks' pure parts: the ngram-map-k model, the two-source oracle and the tree bound (no models
+loaded)."""
 
 from __future__ import annotations
 
@@ -52,8 +53,24 @@ def test_replay_prices_memory_only_for_the_mode_that_reads_it():
     row = {"workload": "w", "prompt": prompt, "output": out}
     data = {"rows": [dict(row, mode="auto", entries_before=0), dict(row, mode="auto", entries_before=1)],
             "memory_entries": [prompt[-32:] + out]}
-    n, plain_auto, with_memory, lookup_oracle, both_oracle = replay_memory.replay(data, CURVE)["w"]
+    n, plain_auto, with_memory, lookup_oracle, both_oracle, tree = replay_memory.replay(data, CURVE)["w"]
     assert n == 2 * (len(out) - 1)
     assert plain_auto == lookup_oracle == n  # nothing in either prompt repeats: plain steps only
     assert with_memory < 0.8 * plain_auto  # the second generation copies the remembered answer
-    assert both_oracle <= with_memory
+    assert tree <= both_oracle <= with_memory
+
+
+def test_tree_bound_takes_the_branch_that_holds_where_the_memory_takes_the_most_frequent():
+    prompt, out = _tokens(40, 9), _tokens(100, 10, lo=50000)
+    assert replay_memory.tree_bound_one(prompt, out, CURVE, []) == len(out) - 1  # nothing repeats: plain steps
+    # Two earlier answers that part from this one at token 20 the same way, and one that is this one.
+    entries = [prompt[-32:] + out[:20] + [7] + _tokens(70, seed, lo=60000) for seed in (11, 12)]
+    entries.insert(1, prompt[-32:] + out)
+    memory = Memory(None)
+    for e in entries:
+        memory.add(e)
+    oracle, _ = replay_auto.oracle_one(prompt, out, CURVE, [MemoryProposer(lambda t: False, memory)])
+    tree = replay_memory.tree_bound_one(prompt, out, CURVE, entries)
+    # At token 20 the memory proposes what two of three places continue with (wrong); a branch on the third holds.
+    assert tree < 0.9 * oracle
+    assert tree == replay_memory.tree_bound_one(prompt, out, CURVE, [prompt[-32:] + out])

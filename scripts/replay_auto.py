@@ -142,17 +142,23 @@ def oracle_one(prompt: list[int], out: list[int], curve: dict[int, float],
     pos, cost, copied = 1, 0.0, 0
     while pos < len(out):
         k = min(max(curve) - 1, len(out) - pos - 1)
-        best_n, best_b = 0, 1
+        best_b, best_n = 1, 0
         for source in (lookup, *others) if k > 0 else ():
-            n = accepted_run(source.propose(committed, k).tokens, out, pos)
-            b = max((b for b in curve if b <= k + 1), key=lambda b: (min(b - 1, n) + 1) / curve[b])
-            if (min(b - 1, n) + 1) / curve[b] > (best_n + 1) / curve[best_b]:
-                best_n, best_b = min(b - 1, n), b
+            b, n = best_batch(curve, k, accepted_run(source.propose(committed, k).tokens, out, pos))
+            if (n + 1) / curve[b] > (best_n + 1) / curve[best_b]:
+                best_b, best_n = b, n
         cost += curve[best_b]
         committed = committed + out[pos : pos + best_n + 1]
         pos += best_n + 1
         copied += best_n
     return cost, copied
+
+
+def best_batch(curve: dict[int, float], k: int, run: int) -> tuple[int, int]:
+    """The batch size (at most k+1) that commits most per step when `run` proposed tokens would be accepted,
+    and how many of them it verifies."""
+    b = max((b for b in curve if b <= k + 1), key=lambda b: (min(b - 1, run) + 1) / curve[b])
+    return b, min(b - 1, run)
 
 
 def accepted_run(draft: Sequence[int], out: list[int], pos: int) -> int:

@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from replay_auto import accepted_run, oracle_one, replay_one  # noqa: E402
+from replay_auto import accepted_run, best_batch, oracle_one, replay_one  # noqa: E402
 
 from edgespec.costs import CostTracker  # noqa: E402
 from edgespec.memory import Memory  # noqa: E402
@@ -62,10 +62,10 @@ def tree_bound_one(prompt: list[int], out: list[int], curve: dict[int, float], e
         at = np.ones(len(hay) - key, dtype=bool)  # places where the context's last `key` tokens end
         for j in range(key):
             at &= hay[j: len(hay) - key + j] == context[len(context) - key + j]
-        n = max((accepted_run(hay[s: s + k].tolist(), out, pos) for s in np.flatnonzero(at) + key), default=0)
-        b = max((b for b in curve if b <= k + 1), key=lambda b: (min(b - 1, n) + 1) / curve[b])
+        run = max((accepted_run(hay[s: s + k].tolist(), out, pos) for s in np.flatnonzero(at) + key), default=0)
+        b, n = best_batch(curve, k, run)
         cost += curve[b]
-        pos += min(b - 1, n) + 1
+        pos += n + 1
     return cost
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
-import json
 import logging
 import os
 import re
@@ -159,7 +158,7 @@ def devices() -> list[Device]:
 
 class FirstSequence:
     """A model used as its own first KV sequence (`sequences[0]`), as the draft proposer and calibration use it;
-    the llama.cpp model and the ONNX draft (ort.OnnxModel) share it."""
+    the llama.cpp model and the ONNX draft (onnx.runtime.OnnxModel) share it."""
 
     sequences: list
 

@@ -18,7 +18,7 @@ DEFAULT_K = 4  # most tokens proposed per cycle by a fixed proposer
 MAX_SEQ = 8  # most KV sequences (server slots) in one context
 MAX_K = 63  # most tokens proposed per cycle by any proposer: a verify batch of 64
 PROPOSERS = ("auto", "none", "ngram", "draft")
-# Where an ONNX draft runs (ort.DEVICES names the execution provider of each); auto: a GPU provider if one starts.
+# Where an ONNX draft runs (onnx.runtime.DEVICES names the execution provider of each); auto: a GPU provider if one starts.
 DRAFT_DEVICES = ("auto", "cuda", "dml", "coreml", "openvino", "cpu")
 # llama.cpp's defaults for the filters; temperature 0 (greedy) as in mlx-lm,
 # so a plain `edgespec generate` is reproducible.

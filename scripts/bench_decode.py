@@ -25,7 +25,7 @@ from edgespec import GenerationConfig, LoadConfig, SamplingConfig  # noqa: E402
 from edgespec.backend import Model  # noqa: E402
 from edgespec.engine import Engine  # noqa: E402
 from edgespec.models import resolve  # noqa: E402
-from edgespec.sampling import greedy  # noqa: E402
+from edgespec.decoding.sampling import greedy  # noqa: E402
 
 PROMPT = "Write a long, detailed tutorial on binary search trees in Python, with code for every operation."
 

@@ -50,7 +50,7 @@ import workloads  # noqa: E402
 from bench_spec import STALL_FACTOR, lockstep_streams  # noqa: E402
 
 from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig, SamplingConfig  # noqa: E402
-from edgespec.models.store import MEMORY_ENV  # noqa: E402
+from edgespec.paths import MEMORY_ENV  # noqa: E402
 
 MODES = {"memory+auto": ("local", 0), "auto": (None, 1)}  # (memory namespace, slot)
 EDIT_SOURCES = (textwrap.indent, statistics.median, difflib.get_close_matches, shlex.split, urllib.parse.urljoin,

@@ -33,9 +33,9 @@ import machine  # noqa: E402
 from edgespec import ort, placement  # noqa: E402
 from edgespec.backend import Model, devices  # noqa: E402
 from edgespec.config import LoadConfig  # noqa: E402
-from edgespec.costs import CALIBRATION_BATCHES, time_batches  # noqa: E402
-from edgespec.onnx_export import export  # noqa: E402
-from edgespec.onnx_files import export_dir  # noqa: E402
+from edgespec.decoding.costs import CALIBRATION_BATCHES, time_batches  # noqa: E402
+from edgespec.onnx.export import export  # noqa: E402
+from edgespec.onnx.files import export_dir  # noqa: E402
 
 ACCEPT = {"Spec-Bench T=0.7": 0.71, "Spec-Bench greedy": 0.76, "code edits": 0.98}
 CONTEXT = 64

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from test_server import Server  # noqa: E402
 
-from edgespec.costs import cpu_model  # noqa: E402
+from edgespec.decoding.costs import cpu_model  # noqa: E402
 
 QUESTION = "Explain, with examples, how Python's asyncio event loop schedules coroutines and callbacks."
 PREFIX = "import math\n\n\ndef area_of_circle(radius):\n    "

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_spec import lockstep_streams  # noqa: E402
 
 from edgespec import Engine, GenerationConfig, LoadConfig  # noqa: E402
-from edgespec.costs import cpu_model  # noqa: E402
+from edgespec.decoding.costs import cpu_model  # noqa: E402
 
 WORKLOAD = Path(__file__).resolve().parent / "extraction_workload.json"
 MODES = {"plain+schema": ("none", True), "auto+schema": ("auto", True), "auto": ("auto", False),

@@ -13,7 +13,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from edgespec.costs import CALIBRATION_BATCHES, calibrate, cpu_model
+from edgespec.decoding.costs import CALIBRATION_BATCHES, calibrate, cpu_model
 
 
 def vector_extensions() -> str:
@@ -39,7 +39,7 @@ def record(model, threads: int) -> dict[str, Any]:
     """`model`: a loaded backend.Model (the target); its t(B) is calibrated, or read from the cache."""
     import llama_cpp
 
-    from edgespec.models.store import calibration_dir
+    from edgespec.paths import calibration_dir
 
     c = calibrate(model, None, CALIBRATION_BATCHES[-1] - 1, calibration_dir())
     name = cpu_model().split(" fpu ")[0]

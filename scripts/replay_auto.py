@@ -4,7 +4,7 @@
     python scripts/replay_auto.py replay bench-results/traces.json [--curve 1,1.5,...] [--calibrated 1,1.4,...]
 
 `record` decodes the benchmark prompts (scripts/workloads.py) with plain greedy
-decoding. `replay` runs each output through the engine's own loop (edgespec.loop)
+decoding. `replay` runs each output through the engine's own loop (edgespec.decoding.loop)
 with the real AutoProposer over a stand-in target that "verifies" against the
 recorded output: what auto proposes is accepted as far as it matches, and every
 pass is charged t(B) from a curve in single steps (B = 1, 2, 4, ..., 64) on a
@@ -36,10 +36,10 @@ from typing import Callable, Sequence
 import numpy as np
 import workloads
 
-from edgespec import loop
+from edgespec.decoding import loop
 from edgespec.config import MAX_K, GenerationConfig
-from edgespec.costs import CALIBRATION_BATCHES, CostTracker
-from edgespec.policy import CONFIDENCE_Z, Costs
+from edgespec.decoding.costs import CALIBRATION_BATCHES, CostTracker
+from edgespec.decoding.policy import CONFIDENCE_Z, Costs
 from edgespec.proposers import Proposer
 from edgespec.proposers.auto import AutoProposer
 from edgespec.proposers.ngram import NgramProposer

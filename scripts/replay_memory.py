@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from replay_auto import accepted_run, best_batch, oracle_one, replay_one  # noqa: E402
 
-from edgespec.costs import CostTracker  # noqa: E402
+from edgespec.decoding.costs import CostTracker  # noqa: E402
 from edgespec.memory import Memory  # noqa: E402
-from edgespec.policy import Costs  # noqa: E402
+from edgespec.decoding.policy import Costs  # noqa: E402
 from edgespec.proposers.auto import MEMORY_CARRY, AutoProposer  # noqa: E402
 from edgespec.proposers.memory import MemoryProposer  # noqa: E402
 from edgespec.proposers.ngram import NgramProposer  # noqa: E402

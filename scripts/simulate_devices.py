@@ -33,10 +33,12 @@ import numpy as np
 import workloads
 from replay_auto import RecordedTarget, dense
 
-from edgespec import loop, placement, sampling
+from edgespec.decoding import loop
+from edgespec.planning import placement
+from edgespec.decoding import sampling
 from edgespec.config import MAX_K, GenerationConfig, SamplingConfig
-from edgespec.costs import CALIBRATION_BATCHES, CostTracker
-from edgespec.policy import DRAFT_P_MIN, Costs
+from edgespec.decoding.costs import CALIBRATION_BATCHES, CostTracker
+from edgespec.decoding.policy import DRAFT_P_MIN, Costs
 from edgespec.proposers import Proposal
 from edgespec.proposers.auto import AutoProposer
 from edgespec.proposers.ngram import NgramProposer

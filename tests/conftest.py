@@ -33,7 +33,7 @@ def _fetch(name: str) -> Path:
 @pytest.fixture(scope="session", autouse=True)
 def _private_memory(tmp_path_factory):
     """Engines and servers of the tests remember into a folder of their own, not the user's memory (memory.py)."""
-    from edgespec.models.store import MEMORY_ENV
+    from edgespec.paths import MEMORY_ENV
 
     mp = pytest.MonkeyPatch()
     mp.setenv(MEMORY_ENV, str(tmp_path_factory.mktemp("memory")))

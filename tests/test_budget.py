@@ -4,10 +4,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from edgespec import budget as budget_module
-from edgespec.budget import GiB, Budget, ModelMemory, gpu_kind, idle_gpu_note, parse_size, plan
+from edgespec.planning import budget as budget_module
+from edgespec.planning.budget import GiB, Budget, ModelMemory, gpu_kind, idle_gpu_note, parse_size, plan
 from edgespec.errors import InvalidRequestError, OutOfMemoryError
-from edgespec.placement import gpu_bandwidth
+from edgespec.planning.placement import gpu_bandwidth
 
 # Qwen2.5-Coder-1.5B / 0.5B Q4_K_M, as their GGUF metadata states.
 QWEN_15B = ModelMemory("qwen-1.5b", weights_bytes=1_111_370_240, n_layer=28, n_head_kv=2, head_dim_k=128,
@@ -196,7 +196,7 @@ def test_each_slot_holds_a_whole_context():
 
 
 def test_the_budget_is_the_first_gpu_device_llama_cpp_reports():
-    from edgespec.budget import detect_budget
+    from edgespec.planning.budget import detect_budget
 
     cpu = SimpleNamespace(name="CPU", description="AMD EPYC", kind="cpu", free_bytes=24 * GiB, total_bytes=24 * GiB)
     cuda = SimpleNamespace(name="CUDA0", description="NVIDIA GeForce RTX 4060", kind="gpu", free_bytes=7 * GiB,

@@ -8,7 +8,7 @@ import pexpect
 from click.testing import CliRunner
 
 from edgespec import backend
-from edgespec.cli import cli
+from edgespec.cli.commands import cli
 
 STATS = re.compile(r"\[(\d+) prompt tokens(?: \((\d+) reused\))? in [0-9.]+s, (\d+) generated at [0-9.]+ tok/s"
                    r"[^\]]*, (stop|length|cancelled)\]")
@@ -66,7 +66,7 @@ def test_piped_chat_answers_once(smollm_path):
 
 
 def test_chat_keeps_an_explicit_max_tokens_and_defaults_to_the_context(smollm_path, monkeypatch):
-    from edgespec.chat import ChatSession
+    from edgespec.engine.session import ChatSession
 
     seen = []
     init = ChatSession.__init__
@@ -119,7 +119,7 @@ def test_broken_template_keeps_the_session_usable(smollm_path, monkeypatch):
 
 def test_full_context_drops_the_oldest_turns(smollm_path):
     from edgespec import Engine, GenerationConfig, LoadConfig
-    from edgespec.chat import ChatSession
+    from edgespec.engine.session import ChatSession
 
     with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512, n_threads=2)) as e:
         session = ChatSession(e, GenerationConfig(max_tokens=8), system="Be brief.")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pexpect
 
-from edgespec.userconfig import history_path
+from edgespec.paths import history_path
 
 STATS = re.compile(r"\[(\d+) prompt tokens(?: \((\d+) reused\))? in [0-9.]+s, (\d+) generated at [0-9.]+ tok/s"
                    r"[^\]]*, (stop|length|cancelled)\]")

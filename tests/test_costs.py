@@ -2,8 +2,8 @@
 
 import pytest
 
-from edgespec.costs import AcceptanceTracker, CostTracker
-from edgespec.policy import Costs
+from edgespec.decoding.costs import AcceptanceTracker, CostTracker
+from edgespec.decoding.policy import Costs
 
 # ../shared/FACTS.md: time of a batch of B tokens over a single-token pass, 2-core CPU.
 CPU = Costs((1, 2, 3, 4, 8, 16), (1.00, 1.59, 2.00, 2.51, 4.30, 4.93))
@@ -88,7 +88,7 @@ def test_cost_tracker_follows_the_draft():
 def test_an_untried_draft_position_is_expected_to_do_as_the_one_before():
     # auto on a GPU-like curve: drafts of one token were accepted 9 times in 10. Longer drafts were never
     # tried; with a flat prior of 0.5 at positions 1, 2, ... they would never look worth trying.
-    from edgespec.policy import Bets, Costs, choose_proposal
+    from edgespec.decoding.policy import Bets, Costs, choose_proposal
     from edgespec.proposers.auto import AutoProposer
     from edgespec.proposers.ngram import NgramProposer
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from edgespec.cli import cli
+from edgespec.cli.commands import cli
 from edgespec.errors import ChecksumError, FetchError, ModelNotFoundError
 from edgespec.models import catalog, store as fetch
 from edgespec.models.catalog import CatalogModel, HubSource, PypiSource

@@ -4,7 +4,7 @@ import pytest
 
 from edgespec.backend import Vocab
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
-from edgespec.fim import infill_tokens
+from edgespec.prompts.fim import infill_tokens
 
 PRE, SUF, MID, REP, SEP = 1001, 1002, 1003, 1004, 1005
 QWEN_LIKE = Vocab(n_tokens=2000, type=2, bos=None, eos=1, add_bos=False, fim_pre=PRE, fim_suf=SUF,

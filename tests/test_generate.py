@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from edgespec import Engine, GenerationConfig, LoadConfig, SamplingConfig
-from edgespec.cli import cli
+from edgespec.cli.commands import cli
 
 CODE_PROMPT = "def merge_sorted(a: list[int], b: list[int]) -> list[int]:\n"
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from edgespec import memory as mem
-from edgespec.costs import CostTracker
+from edgespec.decoding.costs import CostTracker
 from edgespec.memory import Memory, MemoryBank
-from edgespec.policy import Bets, Costs, choose_proposal, match_prior, memory_class, memory_prior
+from edgespec.decoding.policy import Bets, Costs, choose_proposal, match_prior, memory_class, memory_prior
 from edgespec.proposers.auto import AutoProposer
 from edgespec.proposers.memory import MemoryProposer
 from edgespec.proposers.ngram import NgramProposer

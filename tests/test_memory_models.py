@@ -13,9 +13,9 @@ from test_server import KEY, Server
 from test_speculative import CODE, LOAD, check_lossless
 
 from edgespec import Engine, EngineConfig
-from edgespec.cli import cli
+from edgespec.cli.commands import cli
 from edgespec.memory import Memory, files, model_key, namespace_of_key
-from edgespec.models.store import MEMORY_ENV
+from edgespec.paths import MEMORY_ENV
 
 # The same openings with other names and types: the memory then holds a continuation that is wrong from some
 # point on, so rejections happen inside memory proposals too.
@@ -102,7 +102,7 @@ def test_no_memory_writes_nothing_and_memory_show_and_clear(smollm_path, tmp_pat
 @pytest.mark.parametrize("host, expected", [("127.0.0.1", True), ("0.0.0.0", False)])
 def test_serve_keeps_a_memory_only_on_a_loopback_bind(host, expected, monkeypatch):
     """The engine config `serve` builds, without starting it: memory follows the bind unless a flag says so."""
-    from edgespec import cli as cli_module
+    from edgespec.cli import commands as cli_module
 
     seen = {}
 

@@ -19,9 +19,9 @@ from click.testing import CliRunner
 
 from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig
 from edgespec.backend import Model
-from edgespec.cli import cli
-from edgespec.onnx_export import export
-from edgespec.ort import OnnxModel
+from edgespec.cli.commands import cli
+from edgespec.onnx.export import export
+from edgespec.onnx.runtime import OnnxModel
 from test_speculative import CHAT, CODE, PROSE, check_lossless
 
 EXPORT_TIE_GAP = 1.0

@@ -2,8 +2,8 @@
 
 import pytest
 
-from edgespec.costs import AcceptanceTracker
-from edgespec.policy import (Bets, Costs, choose_k, choose_proposal, draft_can_pay, expected_tokens, k_cap, match_class,
+from edgespec.decoding.costs import AcceptanceTracker
+from edgespec.decoding.policy import (Bets, Costs, choose_k, choose_proposal, draft_can_pay, expected_tokens, k_cap, match_class,
                              match_prior)
 
 # ../shared/FACTS.md: time of a batch of B tokens over a single-token pass, 2-core CPU.

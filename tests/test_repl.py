@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from edgespec import terminal
-from edgespec.chat import SessionTotals, read_transcript, write_transcript
+from edgespec.cli import terminal
+from edgespec.engine.session import SessionTotals, read_transcript, write_transcript
 from edgespec.errors import TranscriptError
-from edgespec.loop import Stats
-from edgespec.repl import open_block, unwrap
+from edgespec.decoding.loop import Stats
+from edgespec.cli.repl import open_block, unwrap
 
 
 class Tty(io.StringIO):
@@ -37,7 +37,7 @@ def test_unwrap(text, message):
 
 
 def test_plain_reader_reads_a_block_whole(monkeypatch):
-    from edgespec.repl import PlainReader
+    from edgespec.cli.repl import PlainReader
 
     monkeypatch.setattr("sys.stdin", io.StringIO('"""\nfirst\n\nsecond\n"""\nnext\n'))
     monkeypatch.setattr("sys.stdout", io.StringIO())

@@ -8,9 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edgespec import sampling, verify
+from edgespec.decoding import sampling
+from edgespec.decoding import verify
 from edgespec.config import SamplingConfig
-from edgespec.rules import Rules
+from edgespec.decoding.rules import Rules
 
 N_VOCAB = 5000
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from edgespec import sampling
+from edgespec.decoding import sampling
 from edgespec.config import SamplingConfig
 from edgespec.errors import InvalidRequestError
 

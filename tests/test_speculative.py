@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig
-from edgespec.cli import cli
+from edgespec.cli.commands import cli
 from edgespec.errors import IncompatibleDraftError
 from edgespec.proposers import Proposal
 
@@ -123,7 +123,7 @@ def test_self_draft_rejects_only_at_near_ties(qwen_path, monkeypatch, capsys):
     its best; a larger margin would be a bookkeeping bug (a stale cache, a
     lagging position, a misaligned row).
     """
-    from edgespec import verify
+    from edgespec.decoding import verify
 
     margins: list[float] = []
     real_greedy = verify.greedy
@@ -296,7 +296,7 @@ def test_json_reports_speculation_stats(qwen_path, qwen_draft_path):
 
 
 def test_auto_is_lossless_and_decides_about_the_draft_from_its_calibration(qwen_path, qwen_draft_path, capsys):
-    from edgespec.policy import draft_can_pay
+    from edgespec.decoding.policy import draft_can_pay
 
     # The draft's layers given (0: on the CPU) keep it through the plan, so that calibration decides about it.
     with Engine(EngineConfig(str(qwen_path), str(qwen_draft_path), load=LOAD, draft_gpu_layers=0)) as e:

@@ -17,8 +17,9 @@ from click.testing import CliRunner
 from test_server import Server, client
 from test_speculative import NEAR_TIE_GAP
 
-from edgespec import Engine, GenerationConfig, LoadConfig, SamplingConfig, sampling
-from edgespec.cli import cli
+from edgespec import Engine, GenerationConfig, LoadConfig, SamplingConfig
+from edgespec.decoding import sampling
+from edgespec.cli.commands import cli
 
 LOAD = LoadConfig(n_ctx=4096, n_threads=2)
 # The chi-square distribution's 0.999 quantile by degrees of freedom.

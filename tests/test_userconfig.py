@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from edgespec.cli import cli
+from edgespec.cli.commands import cli
 from edgespec.config import DEFAULT_MODEL, DEFAULT_PORT
 from edgespec.errors import ConfigError, FetchError, ModelNotFoundError
 from edgespec.models import hub, store
-from edgespec.userconfig import config_path, history_path, settle, user_dir
+from edgespec.cli.userconfig import settle
+from edgespec.paths import config_path, history_path, user_dir
 
 
 def write_config(text: str) -> Path:
@@ -100,7 +101,7 @@ def test_model_order_through_the_cli(monkeypatch):
 
 
 def test_info_shows_the_config_file_and_the_defaults(monkeypatch):
-    from edgespec import info
+    from edgespec.cli import info
 
     path = write_config('model = "smollm2-135m"\n')
     monkeypatch.setenv("EDGESPEC_DRAFT", "qwen2.5-coder-0.5b")

@@ -7,7 +7,7 @@ and compare its frequencies with the target distribution by chi-square.
 import numpy as np
 import pytest
 
-from edgespec import verify
+from edgespec.decoding import verify
 from edgespec.config import SamplingConfig
 
 PLAIN = SamplingConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)

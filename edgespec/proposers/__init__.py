@@ -16,7 +16,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from edgespec.config import SamplingConfig
-from edgespec.verify import Dist
+from edgespec.decoding.verify import Dist
 
 
 @dataclass

@@ -15,8 +15,8 @@ from typing import Sequence
 import numpy as np
 
 from edgespec.config import SamplingConfig
-from edgespec.costs import AcceptanceTracker, CostTracker
-from edgespec.policy import CONFIDENCE_Z, Bets, choose_proposal, match_class, match_prior, memory_class, memory_prior
+from edgespec.decoding.costs import AcceptanceTracker, CostTracker
+from edgespec.decoding.policy import CONFIDENCE_Z, Bets, choose_proposal, match_class, match_prior, memory_class, memory_prior
 from edgespec.proposers import Proposal
 from edgespec.proposers.draft import DraftProposer
 from edgespec.proposers.memory import MemoryProposer

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from edgespec import sampling
+from edgespec.decoding import sampling
 from edgespec.backend import KVSequence, Model
 from edgespec.config import SamplingConfig
 from edgespec.errors import IncompatibleDraftError

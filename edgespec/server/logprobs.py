@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from edgespec.sampling import TokenLogprob
+from edgespec.decoding.sampling import TokenLogprob
 
 Piece = Callable[[int], bytes]  # a token's bytes (the model's token_piece)
 

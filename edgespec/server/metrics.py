@@ -17,7 +17,7 @@ from prometheus_client import (
 )
 
 if TYPE_CHECKING:
-    from edgespec.loop import Stats
+    from edgespec.decoding.loop import Stats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()  # the *_created samples say when a counter was made: noise for a sidecar

@@ -26,7 +26,7 @@ from edgespec.config import (
     GenerationConfig,
     SamplingConfig,
 )
-from edgespec import tools
+from edgespec.prompts import tools
 from edgespec.errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16

@@ -18,7 +18,7 @@ import numpy as np
 from edgespec.backend import FirstSequence, KVSequence
 from edgespec.config import DEFAULT_N_BATCH, DEFAULT_N_CTX, DRAFT_DEVICES, LoadConfig
 from edgespec.errors import ContextOverflowError, EdgespecError, InvalidModelError, InvalidRequestError
-from edgespec.onnx_files import OnnxDraftFiles, locate
+from edgespec.onnx.files import OnnxDraftFiles, locate
 
 # --draft-device names (config.DRAFT_DEVICES) and the execution providers behind them, in the order "auto" tries.
 DEVICES = {"cuda": "CUDAExecutionProvider", "dml": "DmlExecutionProvider", "coreml": "CoreMLExecutionProvider",

@@ -15,8 +15,11 @@ from typing import Any
 
 from edgespec.backend import Vocab
 from edgespec.errors import InvalidModelError
-from edgespec.onnx_export import MANIFEST, MODEL_FILE, VOCAB_FILE
 
+# The files of an export: its manifest is written last, so its presence marks a whole export.
+MANIFEST = "edgespec-onnx.json"
+VOCAB_FILE = "vocab.json"
+MODEL_FILE = "model.onnx"
 # llama_vocab_type: what the GGUF converter writes for each tokenizer.json model type.
 _HF_VOCAB_TYPES = {"BPE": 2, "Unigram": 4, "WordPiece": 3}
 
@@ -128,7 +131,7 @@ def hf_vocab(home: Path) -> dict[str, Any]:
 
 
 def _hf_hyper(config: dict[str, Any], n_vocab: int) -> dict[str, Any]:
-    """onnx_export.Hyper's fields from a Hugging Face config.json (what the memory plan needs)."""
+    """export.Hyper's fields from a Hugging Face config.json (what the memory plan needs)."""
     n_embd, n_head = int(config.get("hidden_size", 0)), int(config.get("num_attention_heads", 1))
     return {"n_layer": int(config.get("num_hidden_layers", 0)), "n_embd": n_embd,
             "n_ff": int(config.get("intermediate_size", 4 * n_embd)), "n_head": n_head,

@@ -13,12 +13,13 @@ from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol, Seque
 
 import numpy as np
 
-from edgespec import sampling, verify
+from edgespec.decoding import sampling
+from edgespec.decoding import verify
 from edgespec.config import GenerationConfig, SamplingConfig
-from edgespec.policy import k_cap
+from edgespec.decoding.policy import k_cap
 from edgespec.proposers import Proposal, Proposer
-from edgespec.rules import Rules
-from edgespec.sampling import TokenLogprob
+from edgespec.decoding.rules import Rules
+from edgespec.decoding.sampling import TokenLogprob
 
 FinishReason = Literal["stop", "length", "cancelled"]
 Clock = Callable[[], float]

@@ -19,7 +19,7 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
-from edgespec import sampling
+from edgespec.decoding import sampling
 from edgespec.config import SamplingConfig
 from edgespec.errors import EdgespecError
 

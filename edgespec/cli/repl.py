@@ -13,9 +13,9 @@ from prompt_toolkit.formatted_text import FormattedText
 from prompt_toolkit.history import FileHistory, History, InMemoryHistory
 from prompt_toolkit.key_binding import KeyBindings
 
-from edgespec.chat import ChatSession, read_transcript, write_transcript
+from edgespec.engine.session import ChatSession, read_transcript, write_transcript
 from edgespec.errors import EdgespecError
-from edgespec.terminal import Spinner, is_terminal, paint, print_stream, read_stdin, say, stats_line
+from edgespec.cli.terminal import Spinner, is_terminal, paint, print_stream, read_stdin, say, stats_line
 
 BLOCK = '"""'  # a line starting with it opens a multi-line message, closed by the next one
 PROMPT, MORE = ">>> ", "... "

@@ -25,8 +25,8 @@ from typing import Sequence
 import numpy as np
 
 from edgespec.config import SamplingConfig
-from edgespec.rules import Dist, Rules
-from edgespec.sampling import distribution, draw
+from edgespec.decoding.rules import Dist, Rules
+from edgespec.decoding.sampling import distribution, draw
 
 
 def greedy(rows: np.ndarray, draft: Sequence[int], rules: Rules | None = None,

@@ -12,9 +12,9 @@ def machine_info() -> dict[str, Any]:
     import psutil
 
     from edgespec import backend
-    from edgespec.budget import GiB, idle_gpu_note
+    from edgespec.planning.budget import GiB, idle_gpu_note
     from edgespec.config import MAX_K, LoadConfig
-    from edgespec.engine import plan_memory
+    from edgespec.planning.plan import plan_memory
     from edgespec.errors import EdgespecError
     from edgespec.models import DEFAULT_MODEL, MODELS, PAIRS, cache_dir, cached_path
 
@@ -60,7 +60,8 @@ def machine_info() -> dict[str, Any]:
 def _user_files() -> dict[str, Any]:
     """The config file (whether it exists), the defaults it and the environment settle, the chat history."""
     from edgespec.errors import ConfigError
-    from edgespec.userconfig import config_path, history_path, settle
+    from edgespec.cli.userconfig import settle
+    from edgespec.paths import config_path, history_path
 
     path = config_path()
     try:
@@ -72,7 +73,7 @@ def _user_files() -> dict[str, Any]:
 
 
 def _onnxruntime() -> str:
-    from edgespec import ort
+    from edgespec.onnx import runtime as ort
 
     v = ort.version()
     if v is None:

@@ -1,71 +1,15 @@
-"""Chat templates from GGUF metadata, rendered in a sandbox (templates are untrusted)."""
+"""A conversation over one engine: its turns, the prompt fitted to the context, totals, and transcripts on disk."""
 
 from __future__ import annotations
 
-import datetime
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-from edgespec.errors import ChatTemplateError, TranscriptError
-from edgespec.loop import Stats
-
-Message = dict[str, Any]
-
-
-def _raise(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.datetime.now().strftime(fmt)
-
-
-# The same environment transformers uses for chat templates, so templates behave alike.
-_ENV = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-_ENV.globals.update(raise_exception=_raise, strftime_now=_strftime_now)
-
-
-def render(
-    template: str | None,
-    messages: Sequence[Message],
-    *,
-    bos_token: str = "",
-    eos_token: str = "",
-    add_generation_prompt: bool = True,
-    model_name: str = "the model",
-    tools: Sequence[dict[str, Any]] | None = None,
-) -> str:
-    """The prompt text for `messages` (and the `tools` they may call), as the model's own template lays it out."""
-    if not template:
-        raise ChatTemplateError(
-            f"{model_name} has no chat template in its GGUF metadata; use plain completion (no --chat)"
-        )
-    if tools and not supports_tools(template):
-        raise ChatTemplateError(f"the chat template of {model_name} does not lay out tools; use a model whose "
-                                f"template does (the Qwen2.5 family), or describe the tools in the prompt")
-    try:
-        return _ENV.from_string(template).render(
-            messages=list(messages),
-            bos_token=bos_token,
-            eos_token=eos_token,
-            add_generation_prompt=add_generation_prompt,
-            **({"tools": list(tools)} if tools else {}),
-        )
-    except (jinja2.TemplateError, TypeError, ValueError) as e:
-        raise ChatTemplateError(
-            f"the chat template of {model_name} failed to render ({type(e).__name__}: {e}); "
-            f"use plain completion (no --chat) or a GGUF with a working template"
-        ) from e
-
-
-def supports_tools(template: str | None) -> bool:
-    """Whether a template reads the `tools` variable (templates that do not would drop them silently)."""
-    return bool(template) and "tools" in template  # type: ignore[operator]
+from edgespec.decoding.loop import Stats
+from edgespec.errors import TranscriptError
+from edgespec.prompts.chat import Message
 
 
 class ChatSession:

@@ -3,7 +3,7 @@
 No framework: the `gguf` package dequantizes the tensors and the graph is written with `onnx.helper`.
 Inputs and outputs follow Hugging Face optimum's text-generation-with-past layout (`input_ids`,
 `position_ids`, `past_key_values.N.key/value` in; `logits`, `present.N.key/value` out), so one loader
-(ort.py) reads both; logits are for the last position only, the only one a draft samples from.
+(onnx/runtime.py) reads both; logits are for the last position only, the only one a draft samples from.
 Weights are written to the external-data file one tensor at a time, so memory stays at about one tensor.
 int8 and int4 are ONNX Runtime's MatMulNBits, through its own quantizer (ort.quantize_weights).
 """
@@ -22,13 +22,11 @@ from typing import Any, Callable
 import numpy as np
 
 from edgespec.errors import InvalidModelError, UnsupportedModelError
+from edgespec.onnx.files import MANIFEST, MODEL_FILE, VOCAB_FILE
 
 PRECISIONS = ("int8", "int4", "fp16", "fp32")
 OPSET = 21
 IR_VERSION = 10  # onnx 1.23 writes 14 by default, newer than onnxruntime 1.31 reads
-MANIFEST = "edgespec-onnx.json"
-VOCAB_FILE = "vocab.json"
-MODEL_FILE = "model.onnx"
 DATA_FILE = "model.onnx.data"
 FORMAT = 1
 SUPPORTED = ("llama", "qwen2")
@@ -322,7 +320,7 @@ def _save(model: Any, tmp: Path, precision: str) -> None:
     path = tmp / MODEL_FILE
     onnx.save_model(model, str(path))  # the weights are already in DATA_FILE, referenced by offset
     if precision in ("int4", "int8"):
-        from edgespec import ort
+        from edgespec.onnx import runtime as ort
 
         quantized = ort.quantize_weights(str(path), int(precision[3:]), QUANT_BLOCK)
         (tmp / DATA_FILE).unlink()

@@ -16,20 +16,17 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Mapping
 
 from edgespec.config import DEFAULT_MODEL, DEFAULT_PORT
 from edgespec.errors import ConfigError
+from edgespec.paths import config_path
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.10 has no tomllib; tomli is the same parser (a dependency there only)
     import tomli as tomllib
 
-CONFIG_DIR_ENV = "EDGESPEC_CONFIG_DIR"  # overrides the folder of config.toml (tests point it at a tmp folder)
-STATE_DIR_ENV = "EDGESPEC_STATE_DIR"  # overrides the folder of the chat history
-CONFIG_FILE = "config.toml"
-HISTORY_FILE = "chat_history"
 # The variables a person may set, by key; the other keys come from the config file or a flag only.
 ENV = {"model": "EDGESPEC_MODEL", "draft": "EDGESPEC_DRAFT"}
 # Each key's check: (type, lowest value, an example for the fix).
@@ -41,34 +38,6 @@ KEYS: dict[str, tuple[type, int | None, str]] = {
     "port": (int, 1, "port = 8012"),
 }
 NO_DRAFT = "none"  # `--draft none` (or in the env or file) drops a draft set at a lower level
-Kind = Literal["cache", "config", "state"]
-
-
-def user_dir(kind: Kind) -> Path:
-    """The platform's folder for edgespec's cache, config or state (XDG on Linux, Library on macOS, AppData)."""
-    override = {"config": CONFIG_DIR_ENV, "state": STATE_DIR_ENV}.get(kind)
-    if override and os.environ.get(override):
-        return Path(os.environ[override]).expanduser()
-    home = Path.home()
-    if sys.platform == "darwin":
-        base = home / "Library" / ("Caches" if kind == "cache" else "Application Support")
-    elif sys.platform == "win32":
-        roaming = kind == "config"
-        base = Path(os.environ.get("APPDATA" if roaming else "LOCALAPPDATA")
-                    or home / "AppData" / ("Roaming" if roaming else "Local"))
-    else:
-        var, fallback = {"cache": ("XDG_CACHE_HOME", ".cache"), "config": ("XDG_CONFIG_HOME", ".config"),
-                         "state": ("XDG_STATE_HOME", ".local/state")}[kind]
-        base = Path(os.environ.get(var) or home / fallback)
-    return base / "edgespec"
-
-
-def config_path() -> Path:
-    return user_dir("config") / CONFIG_FILE
-
-
-def history_path() -> Path:
-    return user_dir("state") / HISTORY_FILE
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from edgespec.costs import CALIBRATION_BATCHES
-from edgespec.policy import Costs, choose_k
+from edgespec.decoding.costs import CALIBRATION_BATCHES
+from edgespec.decoding.policy import Costs, choose_k
 
 # t(B)/t(1) at CALIBRATION_BATCHES, as far as published. CPU: Qwen2.5-Coder-1.5B Q4_K_M on 2 AVX-512 cores (FACTS.md).
 # CUDA: RTX 3090, Llama-3 8B Q4_0 (llama.cpp PR #15802). Metal: Qwen2.5-Coder-7B Q8_0 (llama.cpp PR #10581).

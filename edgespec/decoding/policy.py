@@ -167,3 +167,10 @@ def memory_class(length: int, seen: int) -> int:
 def memory_prior(key: int) -> float:
     """Before any evidence a memory match is priced as a lookup match of its length (match_prior)."""
     return match_prior(key // 4)
+
+
+def draft_cannot_pay(c: Costs) -> str:
+    """Why a draft that fails draft_can_pay is not worth loading, with the costs that decided it."""
+    return (f"on this machine it would be slower than plain decoding even at {DRAFT_ACCEPT_CEILING:.0%} acceptance "
+            f"(draft ÷ target per token {c.draft_seconds_per_token / c.target_seconds[0]:.2f}, verifying "
+            f"{c.batches[-1]} tokens costs {c.target_seconds[-1] / c.target_seconds[0]:.1f} single steps)")

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from edgespec.policy import CONFIDENCE_Z, Costs
+from edgespec.decoding.policy import CONFIDENCE_Z, Costs
 
 log = logging.getLogger(__name__)
 

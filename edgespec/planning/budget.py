@@ -17,10 +17,10 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from edgespec import placement
+from edgespec.planning import placement
 from edgespec.config import DEFAULT_N_BATCH, DEFAULT_N_CTX, MAX_K
 from edgespec.errors import InvalidRequestError, OutOfMemoryError
-from edgespec.policy import DRAFT_ACCEPT_EXPECTED, DRAFT_MIN_GAIN
+from edgespec.decoding.policy import DRAFT_ACCEPT_EXPECTED, DRAFT_MIN_GAIN
 
 log = logging.getLogger(__name__)
 

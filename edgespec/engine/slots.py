@@ -1,0 +1,114 @@
+"""Slots: the target's KV sequences, each with the proposer that speculates on it, and who runs when.
+
+A generation takes a free slot (the one it asked for, else the one whose cache it can reuse most, else the least
+recently used) and waits for one while all are busy. Generations in different slots take turns on the target, one
+cycle each, in arrival order (`FairLock`), so a long answer does not hold an editor's completion for its whole length.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Generator, Iterator, Sequence
+
+from edgespec.backend import KVSequence
+from edgespec.decoding import loop
+from edgespec.proposers import Proposer
+
+SLOT_POLL_SECONDS = 0.1  # a generation waiting for a slot checks its cancel event this often
+
+
+@dataclass(eq=False)
+class Slot:
+    """A KV sequence of the target and the proposer that speculates on it."""
+
+    cache: KVSequence
+    proposer: Proposer | None
+    busy: bool = False
+    last_used: float = 0.0
+
+
+class FairLock:
+    """A lock taken in arrival order, so a generation that releases it and asks again waits behind the others."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._queue: collections.deque[object] = collections.deque()
+        self._held = False
+
+    def __enter__(self) -> None:
+        me = object()
+        with self._cond:
+            self._queue.append(me)
+            while self._held or self._queue[0] is not me:
+                self._cond.wait()
+            self._queue.popleft()
+            self._held = True
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._held = False
+            self._cond.notify_all()
+
+
+class SlotPool:
+    """The engine's slots, the lock that gives the target to one cycle at a time, and the generations under way."""
+
+    def __init__(self, slots: Sequence[Slot]) -> None:
+        self.slots = list(slots)
+        self._free = threading.Condition()  # guards Slot.busy; notified when a slot is released
+        self._turn = FairLock()  # one target pass at a time: generations in other slots interleave by cycle
+        self._running: set[threading.Event] = set()  # cancel events of the generations under way
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def cancel_all(self) -> None:
+        for running in list(self._running):
+            running.set()
+
+    @contextlib.contextmanager
+    def taken(self, prompt: Sequence[int], cancel: threading.Event, wanted: int | None) -> Iterator[Slot | None]:
+        """A slot held for one generation (None if it was cancelled while every slot was busy)."""
+        self._running.add(cancel)
+        try:
+            slot = self._acquire(prompt, cancel, wanted)
+            try:
+                yield slot
+            finally:
+                if slot is not None:
+                    with self._free:
+                        slot.busy, slot.last_used = False, time.monotonic()
+                        self._free.notify()
+        finally:
+            self._running.discard(cancel)
+
+    def _acquire(self, prompt: Sequence[int], cancel: threading.Event, wanted: int | None) -> Slot | None:
+        """`wanted` (modulo the slot count) if it is free, else the free slot whose cache it can reuse most, else the
+        least recently used."""
+        with self._free:
+            while not (free := [s for s in self.slots if not s.busy]):
+                if cancel.is_set():
+                    return None
+                self._free.wait(SLOT_POLL_SECONDS)
+            preferred = self.slots[wanted % len(self.slots)] if wanted is not None and wanted >= 0 else None
+            slot = preferred if preferred in free else max(
+                free, key=lambda s: (s.cache.shared_prefix(prompt), -s.last_used))
+            slot.busy = True
+            return slot
+
+    def turns(self, steps: Iterator[loop.Step]) -> Generator[loop.Step, None, None]:
+        """Each step of a generation under the turn lock, released while the consumer has it."""
+        try:
+            while True:
+                with self._turn:
+                    step = next(steps, None)
+                if step is None:
+                    return
+                yield step
+        finally:
+            with self._turn:
+                steps.close()  # type: ignore[attr-defined]

@@ -1,0 +1,99 @@
+"""The plan for a target (and a draft) on this machine: what fits where, priced from this machine's calibrations.
+
+The pure planning is in planning.budget; this module reads the models' GGUF facts, the devices llama.cpp found and
+the calibrations cached on this machine, and hands them to it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from edgespec.backend import ModelFacts, devices, read_facts
+from edgespec.config import LoadConfig
+from edgespec.decoding import costs
+from edgespec.errors import EdgespecError, InvalidRequestError, OutOfMemoryError
+from edgespec.onnx import runtime as ort
+from edgespec.onnx.files import OnnxDraftFiles, is_onnx, locate
+from edgespec.paths import calibration_dir
+from edgespec.planning import budget
+from edgespec.planning.budget import ModelMemory, Plan
+
+
+def memory_of(f: ModelFacts) -> ModelMemory:
+    return ModelMemory(f.path.name, f.weights_bytes, f.n_layer, f.n_head_kv, f.head_dim_k, f.head_dim_v, f.n_vocab,
+                       f.n_embd, f.n_ff, f.n_ctx_train)
+
+
+def plan_memory(target: Path, draft: Path | None, load: LoadConfig, k_max: int,
+                memory_budget: int | None = None, draft_gpu_layers: int | None = None,
+                keep_draft: bool = False, draft_device: str = "auto") -> Plan:
+    """How `target` (and `draft`) are laid out in the memory this machine has, or `memory_budget` bytes of it.
+
+    Layouts are priced from calibrations cached on this machine where there are some, else modelled;
+    `load.n_gpu_layers` (>= 0) and `draft_gpu_layers` fix the layers instead of letting the plan choose.
+    An ONNX draft sits where its execution provider runs (`draft_device`) and is kept for calibration to
+    price: there is no modelled curve for onnxruntime.
+    """
+    facts = read_facts(target)
+    found = devices()
+    b = budget.detect_budget(found, memory_budget)
+    onnx_note, draft_key = None, None
+    onnx = draft is not None and is_onnx(draft)
+    if onnx and draft_gpu_layers is not None:
+        raise InvalidRequestError(f"--draft-gpu-layers {draft_gpu_layers} places a GGUF draft's layers; {draft} is "
+                                  f"an ONNX draft: place it with --draft-device instead")
+    if draft is not None and not onnx and draft_device != "auto":
+        raise InvalidRequestError(f"--draft-device {draft_device} picks an ONNX draft's execution provider; "
+                                  f"{draft} runs in llama.cpp: place it with --draft-gpu-layers instead")
+    if onnx:
+        assert draft is not None
+        files = locate(draft)
+        where = ort.planned_device(draft_device)
+        draft_mem = onnx_memory(files)
+        draft_gpu_layers = draft_mem.units if where in ort.GPU_DEVICES and b.gpu_bytes else 0
+        keep_draft = True
+        counted = "GPU memory" if draft_gpu_layers else "RAM"
+        onnx_note = (f"draft {files.name} runs in onnxruntime on {where}; its memory is counted in {counted}; "
+                     f"calibration at load prices it")
+        draft_key = f"onnxruntime-{where}"  # as OnnxModel.device_key: its calibration is kept per provider
+    else:
+        draft_mem = memory_of(read_facts(draft)) if draft is not None else None
+    paths = {"target": target, "draft": draft}
+
+    def measured(which: str, layers: int) -> tuple[float, ...] | None:
+        path = paths[which]
+        if path is None:
+            return None
+        if which == "draft" and draft_key is not None:
+            return costs.measured(calibration_dir(), path, 0, load, draft_key)
+        return costs.measured(calibration_dir(), path, layers, load, b.gpu_name or "cpu")
+
+    p = budget.plan(memory_of(facts), draft_mem, b,
+                    n_ctx=load.n_ctx, k_max=k_max, n_ubatch=load.n_batch, n_seq=load.n_seq,
+                    target_gpu_layers=load.n_gpu_layers if load.n_gpu_layers >= 0 else None,
+                    draft_gpu_layers=draft_gpu_layers, measured=measured, keep_draft=keep_draft)
+    if onnx_note is not None:
+        p.notes.append(onnx_note)
+    if (idle := budget.idle_gpu_note(found)) is not None:
+        p.notes.insert(0, idle)
+    return p
+
+
+def onnx_memory(files: OnnxDraftFiles) -> ModelMemory:
+    h = files.hyper
+    return ModelMemory(files.name, files.weights_bytes, h["n_layer"], h["n_head_kv"], h["head_dim"], h["head_dim"],
+                       h["n_vocab"], h["n_embd"], h["n_ff"], h["n_ctx_train"])
+
+
+def gpu_short_error(plan: Plan, path: Path, n_gpu_layers: int, e: EdgespecError) -> OutOfMemoryError | None:
+    """Why a model the plan put on the GPU did not load, when the GPU has lost the room since: the numbers."""
+    b = plan.budget
+    if not (n_gpu_layers and b.gpu_bytes):
+        return None
+    now = budget.detect_budget(devices()).gpu_bytes
+    planned = plan.chosen.gpu_bytes if plan.chosen else 0
+    return OutOfMemoryError(
+        f"{path.name} did not load with {n_gpu_layers} layers on {b.gpu_name or b.device} ({e}): the "
+        f"plan counted on {planned / budget.GiB:.2f} GiB of its memory, {b.gpu_bytes / budget.GiB:.2f} GiB "
+        f"was free then and {now / budget.GiB:.2f} GiB is free now; close what took it, or pass "
+        f"--gpu-layers N with fewer layers (or --memory-budget)")

@@ -1,0 +1,150 @@
+"""llama.cpp's own routes: /completion, /infill (as the editors call it), /tokenize, /detokenize, /apply-template."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from edgespec.config import LLAMA_N_PREDICT, LLAMA_TEMPERATURE
+from edgespec.server import logprobs, schemas
+from edgespec.server.http import KEEPALIVE, SSE_HEADERS, guard, sse, sse_guard
+from edgespec.server.service import Service, check_request, in_namespace, prompt_of, request_of, spec
+
+if TYPE_CHECKING:
+    from edgespec.engine import Chunk
+
+
+class LlamaRoutes:
+    def __init__(self, svc: Service) -> None:
+        self.svc = svc
+
+    def routes(self) -> list[Route]:
+        return [Route("/completion", guard(self.completion), methods=["POST"]),
+                Route("/infill", guard(self.infill), methods=["POST"]),
+                Route("/tokenize", guard(self.tokenize), methods=["POST"]),
+                Route("/detokenize", guard(self.detokenize), methods=["POST"]),
+                Route("/apply-template", guard(self.apply_template), methods=["POST"])]
+
+    async def completion(self, request: Request) -> Response:
+        """llama.cpp's native /completion, as Continue and others call it."""
+        body = await self.svc.body_of(request)
+        eng = self.svc.engine()
+        req = request_of(body, schemas.COMPLETION, eng, LLAMA_N_PREDICT, LLAMA_TEMPERATURE)
+        return await self.respond(request, prompt_of(body, eng), req, "'prompt'")
+
+    async def infill(self, request: Request) -> Response:
+        """llama.cpp's /infill: prefix, suffix and extra files around the cursor, as llama.vim sends them."""
+        body = await self.svc.body_of(request)
+        eng = self.svc.engine()
+        req = request_of(body, schemas.INFILL, eng, LLAMA_N_PREDICT, LLAMA_TEMPERATURE)
+        room = req.config.max_tokens if req.config.max_tokens else LLAMA_N_PREDICT  # kept free for the answer
+        prompt = eng.infill_tokens(
+            schemas.text_field(body, "input_prefix", "") or "", schemas.text_field(body, "input_suffix", "") or "",
+            schemas.text_field(body, "prompt", "") or "", schemas.extra_chunks(body), min(room, eng.n_ctx // 2))
+        return await self.respond(request, prompt, req, "the infill prompt ('input_prefix', 'input_suffix', "
+                                                               "'prompt', 'input_extra')", infill=True)
+
+    async def respond(self, request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
+                             infill: bool = False) -> Response:
+        check_request(self.svc.engine(), prompt, prompt_name, req)
+        req = in_namespace(request, req)
+        model, piece = self.svc.settings.model_name, self.svc.engine().target.token_piece
+        cancel = threading.Event()
+        if infill and self.svc.settings.infill_cancel_older:
+            for older in list(self.svc.infills):
+                older.set()
+        if infill:
+            self.svc.infills.add(cancel)
+        try:
+            if not req.stream:
+                results = []
+                for i in range(req.n):  # n_cmpl: one after another in the slot that holds the prompt
+                    chunks = await self.svc.run(request, prompt, req, cancel)
+                    final = _llama_final("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
+                                         chunks[-1], model, req) | {"index": i}
+                    if req.config.logprobs is not None:
+                        final["completion_probabilities"] = logprobs.llama(
+                            [lp for c in chunks for lp in c.logprobs or []], piece)
+                    results.append(schemas.pick_fields(final, req.response_fields))
+                return JSONResponse(results if req.n > 1 else results[0])
+        finally:
+            if not req.stream:
+                self.svc.infills.discard(cancel)
+        chunks = self.svc.stream_chunks(prompt, req, cancel)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for c in chunks:
+                    if c is None:
+                        yield KEEPALIVE
+                    elif c.stats is not None:  # in a stream, the text came in the earlier events
+                        yield sse(schemas.pick_fields(_llama_final("", [], c, model, req), req.response_fields))
+                    elif c.text or c.tokens:
+                        event = {"content": c.text, "tokens": c.tokens, "stop": False}
+                        if c.logprobs:
+                            event["completion_probabilities"] = logprobs.llama(c.logprobs, piece)
+                        yield sse(event)
+            finally:
+                self.svc.infills.discard(cancel)
+
+        return StreamingResponse(sse_guard(events()), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await self.svc.body_of(request)
+        content, add_special, parse_special, with_pieces = schemas.tokenize_request(body)
+        m = self.svc.engine().target
+        tokens = m.tokenize(content, add_special=add_special, parse_special=parse_special)
+        if not with_pieces:
+            return JSONResponse({"tokens": tokens})
+        return JSONResponse({"tokens": [{"id": t, "piece": _piece(m.token_piece(t))} for t in tokens]})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await self.svc.body_of(request)
+        schemas.only_fields(body, {"tokens"}, "/detokenize")
+        m = self.svc.engine().target
+        pieces = b"".join(m.token_piece(t) for t in schemas.token_list(body, "tokens", m.n_vocab))
+        return JSONResponse({"content": pieces.decode("utf-8", "replace")})
+
+    async def apply_template(self, request: Request) -> Response:
+        body = await self.svc.body_of(request)
+        schemas.only_fields(body, {"messages", "model"}, "/apply-template")
+        return JSONResponse({"prompt": self.svc.engine().chat_text(schemas.messages(body))})
+
+
+def _llama_final(text: str, tokens: list[int], last: Chunk, model: str, req: schemas.Request) -> dict[str, Any]:
+    """llama.cpp's final /completion object (and the old stopped_* flags some clients still read)."""
+    s = last.stats
+    assert s is not None
+    evaluated = s.prompt_tokens - s.cached_prompt_tokens
+    decoded = max(s.completion_tokens - 1, 0)
+    stop_type = {"stop": "word" if last.stop_word else "eos", "length": "limit"}.get(last.finish_reason or "", "none")
+    return {
+        "index": 0, "content": text, "tokens": tokens if req.return_tokens else [], "id_slot": last.slot,
+        "stop": True, "model": model, "tokens_predicted": s.completion_tokens, "tokens_evaluated": s.prompt_tokens,
+        "generation_settings": req.settings, "has_new_line": "\n" in text, "truncated": last.truncated,
+        "stop_type": stop_type, "stopping_word": last.stop_word, "tokens_cached": s.cached_prompt_tokens,
+        "stopped_eos": stop_type == "eos", "stopped_limit": stop_type == "limit", "stopped_word": stop_type == "word",
+        "cancelled": last.finish_reason == "cancelled",
+        "timings": {
+            "cache_n": s.cached_prompt_tokens, "prompt_n": evaluated, "prompt_ms": s.prefill_seconds * 1000,
+            "prompt_per_token_ms": s.prefill_seconds * 1000 / evaluated if evaluated else 0,
+            "prompt_per_second": evaluated / s.prefill_seconds if s.prefill_seconds else 0,
+            "predicted_n": s.completion_tokens, "predicted_ms": s.decode_seconds * 1000,
+            "predicted_per_token_ms": s.decode_seconds * 1000 / decoded if decoded else 0,
+            "predicted_per_second": decoded / s.decode_seconds if s.decode_seconds else 0,
+            "draft_n": s.drafted, "draft_n_accepted": s.accepted,
+        },
+        "speculative": spec(s, req),
+    }
+
+
+def _piece(data: bytes) -> str | list[int]:
+    """A token's piece as llama.cpp's /tokenize gives it: text when it is valid UTF-8, else its bytes."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)

@@ -1,0 +1,216 @@
+"""The server's state: one engine loaded in the background, its worker threads, and the requests in flight.
+
+Routes (server/routes) ask it for the engine, run generations through it (one worker per slot; the rest wait in
+arrival order) and build their generation settings from the request with the helpers below it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+
+from edgespec import errors
+from edgespec.server import metrics, schemas
+from edgespec.server.http import MAX_DRAIN_BYTES, Settings, TooLarge, Unavailable
+
+if TYPE_CHECKING:
+    from edgespec.decoding.loop import Stats
+    from edgespec.engine import Chunk, Engine
+
+log = logging.getLogger(__name__)
+
+DISCONNECT_POLL_SECONDS = 0.1
+
+
+class Service:
+    """The server's state and its route handlers: one engine, requests in arrival order."""
+
+    def __init__(self, settings: Settings, load_engine: Callable[[], Engine]) -> None:
+        self.settings, self.load_engine = settings, load_engine
+        self.loaded: Engine | None = None
+        self.load_error: str | None = None
+        # One worker per engine slot: generations in slots interleave by cycle, the rest wait in arrival order.
+        self.executor: ThreadPoolExecutor | None = None
+        self.infills: set[threading.Event] = set()
+        self.active: set[threading.Event] = set()  # cancel events of every request in flight
+        self.finished: dict[str, int] = {}  # generations by finish reason, for /health
+        self.draining = False  # a signal came: new requests get 503, those in flight get a grace period
+        self.metrics = metrics.Metrics()
+
+    def load(self) -> None:
+        try:
+            engine = self.load_engine()
+            self.executor = ThreadPoolExecutor(len(engine.slots), thread_name_prefix="engine")
+            self.loaded = engine
+        except Exception as e:  # reported by /health and every endpoint, instead of a dead process
+            log.exception("loading the model failed")
+            self.load_error = str(e)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        threading.Thread(target=self.load, name="load", daemon=True).start()
+        yield
+        for cancel in list(self.active):  # the grace period is over: end what still runs within a cycle
+            cancel.set()
+        if self.executor is not None:  # the engine must be idle before it is freed
+            self.executor.shutdown(wait=True, cancel_futures=True)
+        if self.loaded is not None:
+            self.loaded.close()
+
+    def shutdown(self, grace: float) -> None:
+        """Refuse new requests; cancel those still running after `grace` seconds (streams then finish)."""
+        if self.draining:
+            return
+        self.draining = True
+        timer = threading.Timer(grace, lambda: [e.set() for e in list(self.active)])
+        timer.daemon = True
+        timer.start()
+
+    def engine(self) -> Engine:
+        if self.draining:
+            raise Unavailable("the server is shutting down; send the request to a new instance")
+        if self.loaded is None:
+            raise Unavailable(self.load_error or "the model is still loading; retry when GET /health says ok")
+        return self.loaded
+
+    async def body_of(self, request: Request) -> dict[str, Any]:
+        limit = self.settings.max_body_bytes
+        data = bytearray()
+        n = 0
+        async for piece in request.stream():
+            n += len(piece)
+            if n <= limit:
+                data += piece
+            elif n > MAX_DRAIN_BYTES:  # read on so that the client, still sending, gets to read the 413
+                break
+        if n > limit:
+            raise TooLarge(f"request body over {limit} bytes; send less context")
+        try:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise errors.InvalidRequestError(f"malformed JSON body ({e})") from e
+        if not isinstance(body, dict):
+            raise errors.InvalidRequestError("the JSON body must be an object")
+        return body
+
+    def count(self, last: Chunk) -> None:
+        reason = last.finish_reason
+        self.finished[reason or "error"] = self.finished.get(reason or "error", 0) + 1
+        if last.stats is not None:
+            self.metrics.generation(last.stats, reason)
+
+    def submit(self, job: Callable[[], Any]) -> asyncio.Future:
+        """Run `job` on an engine worker (one per slot), counted in the queue metrics."""
+        assert self.executor is not None  # set before the engine is, and engine() checked that
+        return asyncio.get_running_loop().run_in_executor(self.executor, self.metrics.queued(job))
+
+    async def run(self, request: Request, prompt: list[int], req: schemas.Request, cancel: threading.Event
+                  ) -> list[Chunk]:
+        """Generate without streaming, cancelling if the client disconnects meanwhile."""
+        eng = self.engine()
+        self.active.add(cancel)
+        try:
+            job = self.submit(lambda: list(eng.stream(prompt, req.config, req.stop, cancel)))
+            while not job.done():
+                if await request.is_disconnected():
+                    cancel.set()
+                await asyncio.wait([job], timeout=DISCONNECT_POLL_SECONDS)
+            chunks = job.result()
+        finally:
+            self.active.discard(cancel)
+        self.count(chunks[-1])
+        return chunks
+
+    def stream_chunks(self, prompt: list[int], req: schemas.Request, cancel: threading.Event
+                      ) -> AsyncIterator[Chunk | None]:
+        """Chunks from the worker thread as they come, None after each `keepalive_seconds` without one
+        (a long prefill); closing the iterator (a disconnect) cancels."""
+        eng = self.engine()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        done = object()
+
+        def work() -> None:
+            try:
+                for chunk in eng.stream(prompt, req.config, req.stop, cancel):
+                    loop.call_soon_threadsafe(queue.put_nowait, chunk)
+                    if chunk.finish_reason is not None:
+                        loop.call_soon_threadsafe(self.count, chunk)
+            except Exception as e:
+                loop.call_soon_threadsafe(queue.put_nowait, e)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, done)
+
+        self.active.add(cancel)
+        self.submit(work)
+
+        async def gen() -> AsyncIterator[Chunk | None]:
+            try:
+                while True:
+                    try:
+                        item = await asyncio.wait_for(queue.get(), self.settings.keepalive_seconds)
+                    except asyncio.TimeoutError:
+                        yield None
+                        continue
+                    if item is done:
+                        return
+                    if isinstance(item, Exception):
+                        raise item
+                    yield item
+            finally:
+                cancel.set()  # normal end: harmless; disconnect: stops the generation within a cycle
+                self.active.discard(cancel)
+
+        return gen()
+
+
+def prompt_of(body: dict[str, Any], eng: Engine) -> list[int]:
+    """'prompt' as text, or as token ids (both APIs accept either)."""
+    value = body.get("prompt")
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        bad = [t for t in value if not 0 <= t < eng.n_vocab]
+        if bad:
+            raise errors.InvalidRequestError(f"token ids must be in 0..{eng.n_vocab - 1}, got {bad[:4]}")
+        return value
+    return eng.tokenize(schemas.text_field(body, "prompt", required=True) or "")
+
+
+def request_of(body: dict[str, Any], route: str, eng: Engine, default_max_tokens: int | None,
+                default_temperature: float) -> schemas.Request:
+    return schemas.generation(body, route, eng.n_ctx, default_max_tokens, default_temperature,
+                              lambda text: eng.target.tokenize(text, add_special=False, parse_special=True),
+                              eng.n_vocab)
+
+
+def check_request(eng: Engine, prompt: list[int], prompt_name: str, req: schemas.Request) -> None:
+    """What would fail a generation at its start, checked before a stream starts: a 400, not a broken stream."""
+    eng.check_fits(prompt, prompt_name)
+    grammar = eng.grammar(req.config)
+    if grammar is not None:
+        grammar.close()
+
+
+def in_namespace(request: Request, req: schemas.Request) -> schemas.Request:
+    """The request's generation in the memory namespace of its API key (Safety found it; the local one when the
+    server has no key), unless it asked for no memory."""
+    namespace = request.scope.get("state", {}).get("memory_namespace")
+    if namespace is None or req.config.memory is None:
+        return req
+    return dataclasses.replace(req, config=dataclasses.replace(req.config, memory=namespace))
+
+
+def spec(s: Stats, req: schemas.Request) -> dict[str, Any]:
+    """The speculation figures of one generation, with the proposer and k cap it asked for (null: the server's)."""
+    return {"proposer": req.config.proposer, "k": req.config.k, "drafted": s.drafted, "accepted": s.accepted,
+            "acceptance_rate": round(s.acceptance_rate, 4), "cycles": s.cycles,
+            "cycles_by_proposer": dict(s.cycles_by_proposer), "tokens_per_second": round(s.tokens_per_second, 2),
+            "cached_prompt_tokens": s.cached_prompt_tokens}

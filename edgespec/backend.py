@@ -17,7 +17,6 @@ import os
 import re
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -27,13 +26,16 @@ import numpy as np
 
 from edgespec.config import DEFAULT_N_CTX, LoadConfig
 from edgespec.errors import (ContextOverflowError, EdgespecError, InvalidModelError, InvalidRequestError,
-                             ModelNotFoundError, UnsupportedModelError)
+                             UnsupportedModelError)
+from edgespec.gguf import ModelFacts, Vocab, check_gguf_file
 from edgespec.text import to_utf8
 
 log = logging.getLogger(__name__)
 _llama_log = logging.getLogger("edgespec.llama_cpp")
 
-GGUF_MAGIC = b"GGUF"
+# Spare KV sequences that hold the chunks of a cache being reused elsewhere while the text before them is evaluated:
+# llama.cpp only appends to a sequence, so a chunk after an insertion waits outside it (KVSequence.evaluate).
+PARKS = 8
 _FLASH_ATTN = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
                "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation; info is load chatter, so DEBUG here.
@@ -54,41 +56,6 @@ def _on_llama_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
 
 llama_cpp.llama_log_set(_on_llama_log, ctypes.c_void_p(0))
 llama_cpp.llama_backend_init()
-
-
-@dataclass(frozen=True)
-class Vocab:
-    n_tokens: int
-    type: int  # llama_vocab_type: 1 SPM, 2 BPE, ...
-    bos: int | None
-    eos: int | None
-    add_bos: bool
-    fim_pre: int | None
-    fim_suf: int | None
-    fim_mid: int | None
-    fim_pad: int | None
-    fim_rep: int | None
-    fim_sep: int | None
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What memory accounting and reports need from the GGUF."""
-
-    path: Path
-    architecture: str
-    n_layer: int
-    n_head: int
-    n_head_kv: int
-    n_embd: int
-    head_dim_k: int
-    head_dim_v: int
-    n_ff: int
-    n_vocab: int
-    n_ctx_train: int
-    weights_bytes: int
-    chat_template: str | None
-    recurrent: bool
 
 
 def _first_error() -> str:
@@ -114,46 +81,27 @@ def supports_gpu_offload() -> bool:
     return bool(llama_cpp.llama_supports_gpu_offload())
 
 
-@dataclass(frozen=True)
-class Device:
-    """A device llama.cpp's backends found: "CPU", "CUDA0", "Metal", "Vulkan0", ..."""
-
-    name: str
-    description: str  # "NVIDIA GeForce RTX 4090", "Apple M2 Pro"
-    kind: str  # "cpu", "gpu", "igpu" (shares host memory), "accel"
-    free_bytes: int
-    total_bytes: int
-
-
-_DEVICE_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
-
-
-def devices() -> list[Device]:
-    """Every device of the llama.cpp build, with its free memory, through ggml's device registry."""
+def shared_library(name: str) -> ctypes.CDLL:
+    """One of the shared libraries the installed llama-cpp-python ships ("ggml", "ggml-base", ...), for what its
+    bindings leave out (devices.py)."""
     from llama_cpp._ctypes_extensions import load_shared_library
 
-    base = Path(llama_cpp.__file__).parent / "lib"
-    try:
-        reg, dev = load_shared_library("ggml", base), load_shared_library("ggml-base", base)
-    except (OSError, RuntimeError, FileNotFoundError):  # a build laid out otherwise: report none rather than fail
-        return []
-    reg.ggml_backend_dev_count.restype = ctypes.c_size_t
-    reg.ggml_backend_dev_get.restype, reg.ggml_backend_dev_get.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-    for name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
-        getattr(dev, name).restype, getattr(dev, name).argtypes = ctypes.c_char_p, [ctypes.c_void_p]
-    dev.ggml_backend_dev_type.restype, dev.ggml_backend_dev_type.argtypes = ctypes.c_int, [ctypes.c_void_p]
-    size_p = ctypes.POINTER(ctypes.c_size_t)
-    dev.ggml_backend_dev_memory.argtypes = [ctypes.c_void_p, size_p, size_p]
     llama_cpp.llama_backend_init()  # registers the backends; idempotent
-    out = []
-    for i in range(reg.ggml_backend_dev_count()):
-        d = reg.ggml_backend_dev_get(i)
-        free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        dev.ggml_backend_dev_memory(d, ctypes.byref(free), ctypes.byref(total))
-        out.append(Device(dev.ggml_backend_dev_name(d).decode(errors="replace"),
-                          dev.ggml_backend_dev_description(d).decode(errors="replace"),
-                          _DEVICE_KINDS.get(dev.ggml_backend_dev_type(d), "other"), free.value, total.value))
-    return out
+    return load_shared_library(name, Path(llama_cpp.__file__).parent / "lib")
+
+
+def _context_params(cfg: LoadConfig, parks: int) -> llama_cpp.llama_context_params:
+    cparams = llama_cpp.llama_context_default_params()
+    cparams.n_ctx = (cfg.n_ctx or DEFAULT_N_CTX) * cfg.n_seq
+    cparams.n_batch = cparams.n_ubatch = cfg.n_batch
+    # One buffer for every sequence (llama-server's default too): a chunk moves to a park sequence and back by
+    # changing which sequences its cells belong to, with no copy.
+    cparams.n_seq_max = cfg.n_seq + parks
+    cparams.kv_unified = True
+    cparams.n_threads = cparams.n_threads_batch = cfg.n_threads
+    cparams.no_perf = True
+    cparams.flash_attn_type = _FLASH_ATTN[cfg.flash_attn]
+    return cparams
 
 
 class FirstSequence:
@@ -173,6 +121,10 @@ class FirstSequence:
     def decode(self, tokens: Sequence[int], n_outputs: int = 1) -> np.ndarray:
         return self.sequences[0].decode(tokens, n_outputs)
 
+    def evaluate(self, prompt: Sequence[int], runs: Sequence[tuple[int, int, int]] = (), n_outputs: int = 1,
+                 stop: Callable[[], bool] | None = None) -> np.ndarray | None:
+        return self.sequences[0].evaluate(prompt, runs, n_outputs, stop)
+
     def trim(self, n_keep: int) -> int:
         return self.sequences[0].trim(n_keep)
 
@@ -189,7 +141,7 @@ class Model(FirstSequence):
     def __init__(self, path: str | Path, cfg: LoadConfig | None = None, *, facts_only: bool = False) -> None:
         self.cfg = cfg = cfg or LoadConfig()
         self.path = path = Path(path)
-        _check_gguf_file(path)
+        check_gguf_file(path)
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = cfg.n_gpu_layers if cfg.n_gpu_layers >= 0 else 999
         if not (cfg.mmap or facts_only):
@@ -212,20 +164,15 @@ class Model(FirstSequence):
             self.n_vocab = self.vocab.n_tokens
             if facts_only:
                 return
-            cparams = llama_cpp.llama_context_default_params()
-            cparams.n_ctx = (cfg.n_ctx or DEFAULT_N_CTX) * cfg.n_seq
-            cparams.n_batch = cparams.n_ubatch = cfg.n_batch
-            cparams.n_seq_max = cfg.n_seq
-            cparams.kv_unified = False
-            cparams.n_threads = cparams.n_threads_batch = cfg.n_threads
-            cparams.no_perf = True
-            cparams.flash_attn_type = _FLASH_ATTN[cfg.flash_attn]
+            # Recurrent state has nothing to park.
+            self._parks = [] if self.facts.recurrent else list(range(cfg.n_seq, cfg.n_seq + PARKS))
+            cparams = _context_params(cfg, len(self._parks))
             self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
             if not self._ctx:
                 raise EdgespecError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {path} "
                                     f"({_first_error()}); "
                                     f"try a smaller context (--ctx)")
-            self.n_ctx = int(llama_cpp.llama_n_ctx_seq(self._ctx))  # per sequence
+            self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx)) // cfg.n_seq  # per sequence: each holds at most this
             self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
             self._mem = llama_cpp.llama_get_memory(self._ctx)
             self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
@@ -242,6 +189,8 @@ class Model(FirstSequence):
             raise
         # Recurrent state cannot be cut at an arbitrary position; speculation needs that.
         self.can_trim = not self.facts.recurrent
+        # Chunk reuse moves cached entries to new positions (a K-shift); sliding-window caches and M-RoPE cannot.
+        self.can_shift = self.can_trim and bool(llama_cpp.llama_memory_can_shift(self._mem))
         self.sequences = [KVSequence(self, i) for i in range(cfg.n_seq)]
         self._pieces: dict[int, bytes] = {}
 
@@ -389,11 +338,14 @@ class KVSequence:
     def is_eog(self, token: int) -> bool:
         return self.model.is_eog(token)
 
-    def decode(self, tokens: Sequence[int], n_outputs: int = 1) -> np.ndarray:
+    def decode(self, tokens: Sequence[int], n_outputs: int = 1, stop: Callable[[], bool] | None = None,
+               step: int | None = None) -> np.ndarray | None:
         """Append `tokens` to the cache; return logits of the last `n_outputs` of them.
 
         The result, shape (n_outputs, n_vocab), is a view of llama.cpp's buffer:
         valid until the next decode of any sequence. Copy what must outlive it.
+        `stop` is asked between batches of `step` tokens (at most n_batch): when it says so, decoding ends there
+        and None is returned; the cache keeps what was evaluated.
         """
         n, md = len(tokens), self.model
         if n == 0 or not 0 <= n_outputs <= min(n, md.n_batch):
@@ -403,30 +355,103 @@ class KVSequence:
                 f"{self.n_past + n} tokens do not fit the context of {md.n_ctx}; use a larger --ctx or a shorter prompt"
             )
         toks = np.asarray(tokens, dtype=np.int32)
-        md._set_batch_seq(self.seq_id)
         first_out = n - n_outputs
-        for start in range(0, n, md.n_batch):
-            m = min(md.n_batch, n - start)
-            md._b_token[:m] = toks[start : start + m]
-            md._b_pos[:m] = np.arange(self.n_past, self.n_past + m, dtype=np.int32)
-            md._b_logits[:m] = np.arange(start, start + m) >= first_out
-            md._batch.n_tokens = m
-            try:
-                rc = llama_cpp.llama_decode(md._ctx, md._batch)
-                if rc == 0:
-                    self.tokens.extend(toks[start : start + m].tolist())
-            except BaseException:  # e.g. KeyboardInterrupt between the C call and the mirror update
-                self._resync()
-                raise
-            if rc != 0:
-                self._resync()
-                if rc == 1:
-                    raise ContextOverflowError(f"no KV slot for {m} tokens at position {self.n_past}; use a larger --ctx")
-                raise EdgespecError(f"llama_decode failed with code {rc} at position {self.n_past}")
+        size = min(step or md.n_batch, md.n_batch)
+        for start in range(0, n, size):
+            if start and stop is not None and stop():
+                return None
+            end = min(start + size, n)
+            self._decode_batch(toks[start:end], np.arange(start, end) >= first_out)
         if n_outputs == 0:
             return np.empty((0, md.n_vocab), dtype=np.float32)
         ptr = llama_cpp.llama_get_logits(md._ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_outputs, md.n_vocab))
+
+    def _decode_batch(self, toks: np.ndarray, outputs: np.ndarray) -> None:
+        """One llama_decode of at most n_batch tokens at the next positions; the mirror follows what llama.cpp kept."""
+        md, m = self.model, len(toks)
+        md._set_batch_seq(self.seq_id)
+        md._b_token[:m] = toks
+        md._b_pos[:m] = np.arange(self.n_past, self.n_past + m, dtype=np.int32)
+        md._b_logits[:m] = outputs
+        md._batch.n_tokens = m
+        try:
+            rc = llama_cpp.llama_decode(md._ctx, md._batch)
+            if rc == 0:
+                self.tokens.extend(toks.tolist())
+        except BaseException:  # e.g. KeyboardInterrupt between the C call and the mirror update
+            self._resync()
+            raise
+        if rc != 0:
+            self._resync()
+            if rc == 1:
+                raise ContextOverflowError(f"no KV slot for {m} tokens at position {self.n_past}; use a larger --ctx")
+            raise EdgespecError(f"llama_decode failed with code {rc} at position {self.n_past}")
+
+    @property
+    def can_shift(self) -> bool:
+        return self.model.can_shift
+
+    def evaluate(self, prompt: Sequence[int], runs: Sequence[tuple[int, int, int]] = (), n_outputs: int = 1,
+                 stop: Callable[[], bool] | None = None, step: int | None = None) -> np.ndarray | None:
+        """Make the cache hold `prompt` and return the logits of its last `n_outputs` tokens (as decode).
+
+        `runs` are the cached stretches to keep, (start in the prompt, start in the cache, length), in prompt order
+        (decoding.reuse.plan): a run at (0, 0, n) is the common prefix, kept in place; the others move to their
+        start, which llama.cpp allows only where the cache can shift. Everything else is evaluated, in batches of
+        `step`. None when `stop` ended it early: the cache then holds the prompt evaluated up to there, followed by
+        the runs not reached yet (nothing it held and the prompt wants is lost).
+        """
+        runs = [r for r in runs if r[2] > 0]
+        prefix = runs[0][2] if runs and runs[0][:2] == (0, 0) else 0
+        moved = runs[1:] if prefix else runs
+        if moved and not self.can_shift:
+            raise UnsupportedModelError(f"{self.model.path.name} cannot shift its KV cache, so chunks cannot be reused "
+                                        f"at new positions; reuse only the prefix (n_cache_reuse 0)")
+        if len(moved) > len(self.model._parks):
+            raise ValueError(f"{len(moved)} moved runs, more than the {len(self.model._parks)} park sequences")
+        cached = list(self.tokens)
+        pending = list(zip(moved, self.model._parks))
+        self._keep_only(prefix, pending)
+        try:
+            at = prefix
+            while pending:
+                start, source, length = pending[0][0]
+                if start > at and self.decode(prompt[at:start], 0, stop, step) is None:
+                    return None
+                self._unpark(pending.pop(0), cached)
+                at = start + length
+            return self.decode(prompt[at:], n_outputs, stop, step)
+        finally:
+            while pending:  # stopped or failed early: the runs still parked follow what was evaluated
+                self._unpark(pending.pop(0), cached)
+
+    def _keep_only(self, prefix: int, parked: Sequence[tuple[tuple[int, int, int], int]]) -> None:
+        """Drop every cached entry but the prefix and the moved runs; move each run to its park sequence."""
+        mem, seq = self.model._mem, self.seq_id
+        at = prefix
+        for (_, source, length), _park in sorted(parked, key=lambda rp: rp[0][1]):
+            if source > at:
+                llama_cpp.llama_memory_seq_rm(mem, seq, at, source)
+            at = max(at, source + length)
+        llama_cpp.llama_memory_seq_rm(mem, seq, at, -1)
+        for (_, source, length), park in parked:
+            llama_cpp.llama_memory_seq_cp(mem, seq, park, source, source + length)
+            llama_cpp.llama_memory_seq_rm(mem, seq, source, source + length)
+        del self.tokens[prefix:]
+        if (pos := self.pos_max()) != prefix - 1:
+            raise EdgespecError(f"KV cache of {self.model.path.name} ends at {pos} after keeping {prefix} tokens")
+
+    def _unpark(self, parked: tuple[tuple[int, int, int], int], cached: Sequence[int]) -> None:
+        """Bring a parked run back right after the last cached position (llama.cpp re-rotates its keys before the
+        next decode)."""
+        (_, source, length), park = parked
+        mem, start = self.model._mem, self.n_past
+        if start != source:
+            llama_cpp.llama_memory_seq_add(mem, park, source, source + length, start - source)
+        llama_cpp.llama_memory_seq_cp(mem, park, self.seq_id, start, start + length)
+        llama_cpp.llama_memory_seq_rm(mem, park, -1, -1)
+        self.tokens.extend(cached[source : source + length])
 
     def trim(self, n_keep: int) -> int:
         """Keep the first `n_keep` cached tokens, drop the rest; returns how many were dropped."""
@@ -582,21 +607,6 @@ def json_schema_gbnf(schema: dict, what: str = "json_schema", rule: str = "root"
             f"{what} cannot be turned into a grammar: {type(e).__name__}: {e}; llama.cpp's converter handles "
             f"type, properties, required, items, enum, const, anyOf/oneOf/allOf, local $ref and patterns "
             f"written ^...$; simplify the schema or pass a GBNF grammar instead") from e
-
-
-def _check_gguf_file(path: Path) -> None:
-    """Fail early with a clear message; llama.cpp's own is a log line and a NULL."""
-    if not path.exists():
-        raise ModelNotFoundError(f"model file {path} does not exist; check the path or use a catalog name")
-    if not path.is_file():
-        raise InvalidModelError(f"{path} is not a file; pass the path of a .gguf file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise InvalidModelError(
-            f"{path} is not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r}); "
-            f"convert it with llama.cpp's convert_hf_to_gguf.py or download a .gguf"
-        )
 
 
 def system_info() -> str:

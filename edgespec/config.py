@@ -146,6 +146,9 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     # Keep the KV prefix this prompt shares with the previous one (llama.cpp's cache_prompt).
     reuse_prefix: bool = True
+    # Also keep every later cached run of at least this many tokens at its new position (llama.cpp's n_cache_reuse;
+    # 0: off). Close to a fresh evaluation, not identical: a moved entry was computed with other text before it.
+    cache_reuse: int = 0
     # llama.cpp's t_max_predict_ms, in seconds: once this much time has passed since the first token,
     # the next token holding a newline ends the generation ("length"). For editors' completions.
     time_limit: float | None = None
@@ -167,6 +170,9 @@ class GenerationConfig:
         if self.max_tokens is not None and self.max_tokens < 0:
             raise InvalidRequestError(f"max_tokens {self.max_tokens} must be >= 0 (0 only evaluates the prompt), "
                                       f"or None for up to the context")
+        if self.cache_reuse < 0:
+            raise InvalidRequestError(f"cache_reuse {self.cache_reuse} must be >= 0 (the shortest chunk reused at a "
+                                      f"new position; 0 reuses only the common prefix)")
         if self.time_limit is not None and self.time_limit <= 0:
             raise InvalidRequestError(f"time limit {self.time_limit} must be > 0 seconds, or None")
         if self.min_indent < 0:

@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import machine  # noqa: E402
 
 from edgespec import ort, placement  # noqa: E402
-from edgespec.backend import Model, devices  # noqa: E402
+from edgespec.backend import Model  # noqa: E402
+from edgespec.devices import devices  # noqa: E402
 from edgespec.config import LoadConfig  # noqa: E402
 from edgespec.decoding.costs import CALIBRATION_BATCHES, time_batches  # noqa: E402
 from edgespec.onnx.export import export  # noqa: E402

@@ -96,8 +96,16 @@ class RecordedTarget:
         self.n_past = min(self.n_past, n_keep)
         return self.n_past
 
-    def keep_prefix_of(self, tokens: Sequence[int]) -> int:
-        return self.trim(0)
+    can_shift = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.seq[: self.n_past]
+
+    def evaluate(self, prompt: Sequence[int], runs: Sequence[tuple[int, int, int]] = (), n_outputs: int = 1,
+                 stop: object = None) -> np.ndarray:
+        self.trim(0)  # a replay starts from an empty cache
+        return self.decode(prompt, n_outputs)
 
     def is_eog(self, token: int) -> bool:
         return token == self.eog

@@ -2,7 +2,7 @@
 
 import pytest
 
-from edgespec.backend import Vocab
+from edgespec.gguf import Vocab
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
 from edgespec.prompts.fim import infill_tokens
 

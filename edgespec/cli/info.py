@@ -12,6 +12,7 @@ def machine_info() -> dict[str, Any]:
     import psutil
 
     from edgespec import backend
+    from edgespec.devices import devices
     from edgespec.planning.budget import GiB, idle_gpu_note
     from edgespec.config import MAX_K, LoadConfig
     from edgespec.planning.plan import plan_memory
@@ -20,7 +21,7 @@ def machine_info() -> dict[str, Any]:
 
     vm = psutil.virtual_memory()
     features = backend.system_info()
-    found = backend.devices()
+    found = devices()
     data: dict[str, Any] = {
         "machine": f"{platform.system()} {platform.machine()}, {psutil.cpu_count(logical=False)} cores "
                    f"({psutil.cpu_count()} threads)",

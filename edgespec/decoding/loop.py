@@ -13,8 +13,8 @@ from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol, Seque
 
 import numpy as np
 
-from edgespec.decoding import sampling
-from edgespec.decoding import verify
+from edgespec.decoding import reuse as chunks
+from edgespec.decoding import sampling, verify
 from edgespec.config import GenerationConfig, SamplingConfig
 from edgespec.decoding.policy import k_cap
 from edgespec.proposers import Proposal, Proposer
@@ -33,15 +33,18 @@ class Step(NamedTuple):
 
 
 class Target(Protocol):
-    """What the loop needs of the target model (backend.Model has it)."""
+    """What the loop needs of the target model (backend.KVSequence has it)."""
 
     n_ctx: int
+    tokens: list[int]  # what the cache holds, position by position
+    can_shift: bool  # whether cached entries can move to new positions (chunk reuse)
 
     def decode(self, tokens: Sequence[int], n_outputs: int = 1) -> np.ndarray: ...
 
-    def trim(self, n_keep: int) -> int: ...
+    def evaluate(self, prompt: Sequence[int], runs: Sequence[tuple[int, int, int]] = (), n_outputs: int = 1,
+                 stop: Callable[[], bool] | None = None) -> np.ndarray | None: ...
 
-    def keep_prefix_of(self, tokens: Sequence[int]) -> int: ...
+    def trim(self, n_keep: int) -> int: ...
 
     def is_eog(self, token: int) -> bool: ...
 
@@ -57,6 +60,7 @@ class Stats:
 
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # reused from the previous call's KV cache
+    shifted_prompt_tokens: int = 0  # of those, reused at a new position (chunk reuse)
     completion_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
@@ -111,11 +115,15 @@ class Stats:
         return d
 
 
-def prefill(target: Target, prompt: Sequence[int], stats: Stats, reuse: bool = True) -> np.ndarray:
-    """Evaluate the prompt, keeping the cached prefix it shares (none if not `reuse`); the last logits row."""
-    common = target.keep_prefix_of(prompt if reuse else ())
-    stats.cached_prompt_tokens = common
-    return target.decode(prompt[common:], n_outputs=1)
+def prefill(target: Target, prompt: Sequence[int], stats: Stats, reuse: bool = True, min_chunk: int = 0,
+            stop: Callable[[], bool] | None = None) -> np.ndarray | None:
+    """Evaluate the prompt, keeping what the cache holds of it: the common prefix (nothing if not `reuse`) and, with
+    `min_chunk` > 0 where the cache can shift, every later run of at least that many tokens that only moved
+    (decoding.reuse). The last logits row; None if `stop` ended the evaluation early."""
+    kept = chunks.plan(target.tokens if reuse else (), prompt, min_chunk if target.can_shift else 0)
+    stats.cached_prompt_tokens = kept.reused
+    stats.shifted_prompt_tokens = kept.reused - kept.prefix
+    return target.evaluate(prompt, [(r.start, r.source, r.length) for r in kept.runs], 1, stop)
 
 
 def cycle(target: Target, proposer: Proposer | None, committed: list[int], k: int, sc: SamplingConfig,
@@ -180,15 +188,16 @@ def steps(target: Target, proposer: Proposer | None, prompt: list[int], config: 
     committed token is decoded at the head of the next cycle's batch. `rules`
     (a grammar, penalties, logit bias) shape every row the target is read at.
     """
-    sc = config.sampling
-    n_probs = config.logprobs
-    rng = sc.rng()
+    sc, n_probs, rng = config.sampling, config.logprobs, config.sampling.rng()
     room = target.n_ctx - len(prompt)
     limit = room if config.max_tokens is None else min(config.max_tokens, room)
     t0 = clock()
-    logits = prefill(target, prompt, stats, reuse)
+    logits = prefill(target, prompt, stats, reuse, config.cache_reuse, cancel.is_set)
     stats.prefill_seconds = clock() - t0
     t1 = clock()
+    if logits is None:  # cancelled while the prompt was evaluated: what was evaluated stays for the next request
+        yield Step([], [], "cancelled")
+        return
     if limit == 0:  # the prompt is in the cache (for the next request to reuse); nothing more
         yield Step([], [], "length")
         return

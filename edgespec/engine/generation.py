@@ -21,6 +21,7 @@ from edgespec.errors import ContextOverflowError, InvalidRequestError
 from edgespec.memory import PROMPT_TAIL, Memory
 from edgespec.proposers import Proposer
 from edgespec.proposers.auto import AutoProposer
+from edgespec.proposers.draft import DraftProposer
 from edgespec.text import IndentLimit, TextStream
 
 
@@ -114,6 +115,8 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
         yield Chunk("", [], [], "cancelled", stats)
         return
     config = run.config
+    for drafter in _drafters(slot.proposer):
+        drafter.cache_reuse = config.cache_reuse
     text, indent = TextStream(run.stop), IndentLimit(config.min_indent)
     finish: FinishReason = "length"
     steps = run.turns(loop.steps(slot.cache, proposer_for(slot, config), prompt, config, stats, run.cancel,
@@ -144,3 +147,12 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
         steps.close()
     full = finish == "length" and len(prompt) + stats.completion_tokens >= slot.cache.n_ctx
     yield Chunk("", [], [], finish, stats, text.matched, full, slot.cache.seq_id)
+
+
+def _drafters(proposer: Proposer | None) -> list[DraftProposer]:
+    """The draft models' proposers in a slot's proposer: they keep a KV cache of their own."""
+    if isinstance(proposer, DraftProposer):
+        return [proposer]
+    if isinstance(proposer, AutoProposer) and proposer.draft is not None:
+        return [proposer.draft]
+    return []

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from edgespec.backend import Vocab
+from edgespec.gguf import Vocab
 from edgespec.errors import InvalidModelError
 
 # The files of an export: its manifest is written last, so its presence marks a whole export.

@@ -115,6 +115,8 @@ def _session(path: Path, device: str, n_threads: int) -> Any:
 class OnnxModel(FirstSequence):
     """An ONNX draft: the session, its vocabulary, and one KV sequence per slot (backend.Model's interface)."""
 
+    can_shift = False  # see OnnxSequence
+
     def __init__(self, path: str | Path, cfg: LoadConfig | None = None, device: str = "auto") -> None:
         self.files: OnnxDraftFiles = locate(path)
         self.path = self.files.path
@@ -222,6 +224,14 @@ class OnnxSequence:
     # Both read only `tokens` and `trim`: the two caches agree on prefixes.
     shared_prefix = KVSequence.shared_prefix
     keep_prefix_of = KVSequence.keep_prefix_of
+    can_shift = False  # the past arrays are sliced, never moved: a prefix is all that is reused
+
+    def evaluate(self, prompt: Sequence[int], runs: Sequence[tuple[int, int, int]] = (), n_outputs: int = 1,
+                 stop: Any = None) -> np.ndarray:
+        """As KVSequence.evaluate, for a prefix run only."""
+        prefix = runs[0][2] if runs and runs[0][:2] == (0, 0) else 0
+        self.trim(prefix)
+        return self.decode(prompt[prefix:], n_outputs)
 
 
 class _Slicer:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from edgespec.backend import ModelFacts, devices, read_facts
+from edgespec.backend import read_facts
+from edgespec.devices import devices
+from edgespec.gguf import ModelFacts
 from edgespec.config import LoadConfig
 from edgespec.decoding import costs
 from edgespec.errors import EdgespecError, InvalidRequestError, OutOfMemoryError

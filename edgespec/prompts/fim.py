@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from edgespec.backend import Vocab
+from edgespec.gguf import Vocab
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
 
 # llama.cpp separates extra chunks this way when the model has no file separator token.

@@ -14,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
+from edgespec.decoding import reuse as chunks
 from edgespec.decoding import sampling
 from edgespec.backend import KVSequence, Model
 from edgespec.config import SamplingConfig
@@ -62,6 +63,7 @@ class DraftProposer:
         self._cfg = SamplingConfig()
         self._rng = np.random.default_rng()
         self._base = 0
+        self.cache_reuse = 0  # the generation's n_cache_reuse: the draft's cache reuses moved chunks as the target's
         # Seconds per drafted token in the last proposal that needed no catch-up; None otherwise.
         self.last_seconds_per_token: float | None = None
 
@@ -75,21 +77,27 @@ class DraftProposer:
     def lag(self, context: Sequence[int]) -> int:
         """Tokens the draft must decode before its first proposal: the last committed one, and
         everything committed while it was not used (all of the prompt the first time)."""
-        return len(context) - self.cache.shared_prefix(context)
+        m = self.cache
+        if not (self.cache_reuse and m.can_shift):
+            return len(context) - m.shared_prefix(context)
+        return chunks.plan(m.tokens, context, self.cache_reuse).new
 
     def begin(self, prompt: Sequence[int], cfg: SamplingConfig, rng: np.random.Generator) -> None:
         self._cfg, self._rng = cfg, rng  # the prompt itself is decoded lazily by the first propose
 
     def propose(self, context: Sequence[int], k: int) -> Proposal:
         m = self.cache
-        m.keep_prefix_of(context)
         self._base = len(context)
         self.last_seconds_per_token = None
         if k <= 0:
+            m.keep_prefix_of(context)
             return Proposal()
-        lag = len(context) - m.n_past
+        # What the draft lacks: the last token, and all that was committed while it was not used (with the
+        # generation's cache reuse, as the target's own cache).
+        kept = chunks.plan(m.tokens, context, self.cache_reuse if m.can_shift else 0)
+        lag = len(context) - kept.reused
         t0 = time.perf_counter()
-        logits = m.decode(context[m.n_past :], n_outputs=1)[-1]
+        logits = m.evaluate(context, [(r.start, r.source, r.length) for r in kept.runs])[-1]
         out = Proposal([], None if self._cfg.greedy else [], "draft")
         for i in range(k):
             row = logits[: self._n_vocab]

@@ -1,0 +1,141 @@
+"""Which cached KV entries a new prompt can keep: its common prefix, and every later run of at least `min_chunk`
+tokens that only moved (llama.cpp's cache reuse by shifting, `--cache-reuse N`).
+
+llama-server's loop stops reusing at the first token the new prompt inserted: it only skips cached tokens. This
+planner also skips prompt tokens, so a run after an insertion is found too (an editor's window that slid down a
+line: its first line dropped, a new line added before the suffix, the suffix kept). Runs are taken in order on both
+sides, nearest first, each extended as far as it matches. Pure: it reads token lists, the backend moves the KV.
+
+A shifted entry was computed with other text before it, so what follows is close to a fresh evaluation, not the
+same; only the common prefix is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+_HASH_BASE = np.uint64(1_000_003)  # odd: invertible modulo 2^64
+_HASH_INVERSE = np.uint64(pow(1_000_003, -1, 2**64))
+
+
+@dataclass(frozen=True)
+class Run:
+    """prompt[start:start + length] equals cache[source:source + length]: its KV moves by start - source."""
+
+    start: int
+    source: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def shift(self) -> int:
+        return self.start - self.source
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """The runs of the prompt kept from the cache (the common prefix first when there is one), in prompt order."""
+
+    runs: tuple[Run, ...]
+    prompt_len: int
+
+    @property
+    def reused(self) -> int:
+        return sum(r.length for r in self.runs)
+
+    @property
+    def new(self) -> int:
+        """Prompt tokens to evaluate."""
+        return self.prompt_len - self.reused
+
+    @property
+    def prefix(self) -> int:
+        """Length of the common prefix kept in place (shift 0 from position 0)."""
+        return self.runs[0].length if self.runs and self.runs[0].start == 0 and self.runs[0].source == 0 else 0
+
+    def gaps(self) -> list[tuple[int, int, Run | None]]:
+        """(start, end, the run that follows) for each stretch of new tokens, in order; the last has no run."""
+        out, at = [], self.prefix
+        for r in self.runs:
+            if r.start == 0 and r.source == 0:
+                continue
+            out.append((at, r.start, r))
+            at = r.end
+        out.append((at, self.prompt_len, None))
+        return out
+
+
+def common_prefix(cache: Sequence[int], prompt: Sequence[int]) -> int:
+    """Length of the longest common prefix of the two lists."""
+    n = min(len(cache), len(prompt))
+    if n == 0:
+        return 0
+    a, b = np.asarray(cache[:n], dtype=np.int64), np.asarray(prompt[:n], dtype=np.int64)
+    diff = np.flatnonzero(a != b)
+    return int(diff[0]) if diff.size else n
+
+
+def plan(cache: Sequence[int], prompt: Sequence[int], min_chunk: int = 0) -> Reuse:
+    """What of `cache` the KV keeps for `prompt`. The prompt's last token is never reused: its logits are needed.
+
+    `min_chunk` 0 keeps the common prefix only (exact reuse); N > 0 also keeps each later run of at least N tokens.
+    """
+    limit = max(len(prompt) - 1, 0)
+    head = common_prefix(cache, prompt[:limit])
+    runs = [Run(0, 0, head)] if head else []
+    if min_chunk > 0 and limit - head >= min_chunk and len(cache) - head >= min_chunk:
+        runs += _moved_runs(np.asarray(cache, dtype=np.int64), np.asarray(prompt[:limit], dtype=np.int64), head,
+                            min_chunk)
+    return Reuse(tuple(runs), len(prompt))
+
+
+def _moved_runs(cache: np.ndarray, prompt: np.ndarray, head: int, n: int) -> list[Run]:
+    """Greedy in prompt order: at the first prompt position whose next n tokens occur in the cache after the last
+    run, take the occurrence that matches furthest, extend it, and go on after it on both sides."""
+    c_hash, p_hash = _window_hashes(cache, n), _window_hashes(prompt, n)
+    where: dict[int, list[int]] = {}
+    for i in range(head, len(c_hash)):
+        where.setdefault(int(c_hash[i]), []).append(i)
+    runs: list[Run] = []
+    c, p = head, head
+    while p < len(p_hash) and c < len(c_hash):
+        best_len, best_src = 0, -1
+        for src in where.get(int(p_hash[p]), ()):
+            if src < c:
+                continue
+            length = _match(cache, src, prompt, p)
+            if length >= n and length > best_len:
+                best_len, best_src = length, src
+        if best_len:
+            runs.append(Run(p, best_src, best_len))
+            p, c = p + best_len, best_src + best_len
+        else:
+            p += 1
+    return runs
+
+
+def _window_hashes(tokens: np.ndarray, n: int) -> np.ndarray:
+    """A polynomial hash of every window of n tokens (uint64, wrapping), one per start position; equal windows hash
+    alike in any list. Matches are confirmed token by token, so a collision costs a comparison, not a wrong run."""
+    if len(tokens) < n:
+        return np.empty(0, dtype=np.uint64)
+    t = tokens.astype(np.uint64) + np.uint64(1)
+    ones = np.ones(len(t), dtype=np.uint64)
+    powers = np.cumprod(np.concatenate([[np.uint64(1)], ones[1:] * _HASH_BASE]), dtype=np.uint64)
+    inverse = np.cumprod(np.concatenate([[np.uint64(1)], ones[1:] * _HASH_INVERSE]), dtype=np.uint64)
+    prefix = np.concatenate([[np.uint64(0)], np.cumsum(t * powers, dtype=np.uint64)])
+    # window i sums t[i+k] base^(i+k); times base^-i (the base is odd, so invertible mod 2^64) it is position-free
+    return (prefix[n:] - prefix[: len(t) - n + 1]) * inverse[: len(t) - n + 1]
+
+
+def _match(cache: np.ndarray, src: int, prompt: np.ndarray, start: int) -> int:
+    """How many tokens match from cache[src] and prompt[start] on."""
+    m = min(len(cache) - src, len(prompt) - start)
+    diff = np.flatnonzero(cache[src:src + m] != prompt[start:start + m])
+    return int(diff[0]) if diff.size else m

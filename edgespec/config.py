@@ -42,6 +42,13 @@ OPENAI_CHAT_MAX_TOKENS = 1024
 OPENAI_TEMPERATURE = 1.0
 LLAMA_N_PREDICT = 128
 LLAMA_TEMPERATURE = 0.8
+# /infill reuses cached chunks of at least this many tokens at their new position unless the request or --cache-reuse
+# says otherwise (the editors' READMEs recommend llama-server's --cache-reuse 256); other routes reuse only a prefix.
+INFILL_CACHE_REUSE = 256
+FIM_LAYOUTS = ("prefix", "middle")  # where /infill puts the typed part of the cursor line (prompts.fim)
+DEFAULT_FIM_LAYOUT = "prefix"
+# Tokens per batch of an evaluation nobody waits on (a warm-up): the next request preempts it within one batch.
+BACKGROUND_BATCH = 32
 # Cross-request memory (memory.py): the namespace of the machine's own user (CLI, Python API, a server without keys);
 # a server's API keys each get one of their own. A namespace is also a file name, so it is kept to these characters.
 MEMORY_LOCAL = "local"
@@ -149,6 +156,9 @@ class GenerationConfig:
     # Also keep every later cached run of at least this many tokens at its new position (llama.cpp's n_cache_reuse;
     # 0: off). Close to a fresh evaluation, not identical: a moved entry was computed with other text before it.
     cache_reuse: int = 0
+    # Evaluate the prompt in batches of at most this many tokens (None: the context's n_batch), so that a cancel
+    # takes effect within one: background warm-ups use small ones.
+    prompt_batch: int | None = None
     # llama.cpp's t_max_predict_ms, in seconds: once this much time has passed since the first token,
     # the next token holding a newline ends the generation ("length"). For editors' completions.
     time_limit: float | None = None
@@ -170,6 +180,9 @@ class GenerationConfig:
         if self.max_tokens is not None and self.max_tokens < 0:
             raise InvalidRequestError(f"max_tokens {self.max_tokens} must be >= 0 (0 only evaluates the prompt), "
                                       f"or None for up to the context")
+        if self.prompt_batch is not None and self.prompt_batch < 1:
+            raise InvalidRequestError(f"prompt_batch {self.prompt_batch} must be >= 1, or None for the context's "
+                                      f"batch size")
         if self.cache_reuse < 0:
             raise InvalidRequestError(f"cache_reuse {self.cache_reuse} must be >= 0 (the shortest chunk reused at a "
                                       f"new position; 0 reuses only the common prefix)")

@@ -20,6 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_ROOT = ROOT / ".cache" / "llama.cpp"
 TOOLS = ("llama-bench", "llama-completion", "llama-speculative-simple", "llama-lookup")
+SERVER = "llama-server"  # the editors' peer (scripts/bench_editor.py), built on its own
 # The flags of scripts/build_llama_avx2.sh: the named kernels, not this CPU's best.
 AVX2_FLAGS = ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
               "-DGGML_AVX512=OFF", "-DGGML_AVX512_VBMI=OFF", "-DGGML_AVX512_VNNI=OFF", "-DGGML_AVX512_BF16=OFF",
@@ -44,7 +45,8 @@ def source_dir() -> Path:
 
 
 def tool(name: str, build: bool, avx2: bool = False) -> Path | None:
-    """Path of a built tool; builds all of TOOLS first when asked and missing."""
+    """Path of a built tool; builds it first when asked and missing (all of TOOLS, or llama-server alone: it takes
+    about 20 minutes on 2 cores)."""
     build_dir = BUILD_ROOT / ("build-avx2" if avx2 else "build")
     binary = build_dir / "bin" / name
     if binary.exists():
@@ -53,15 +55,17 @@ def tool(name: str, build: bool, avx2: bool = False) -> Path | None:
         return None
     src = source_dir()
     subprocess.run(["cmake", "-S", str(src), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
-                    "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+                    "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=ON",
                     *(AVX2_FLAGS if avx2 else ())], check=True)
-    subprocess.run(["cmake", "--build", str(build_dir), "-j", "2", "--target", *TOOLS], check=True)
+    targets = [SERVER] if name == SERVER else list(TOOLS)
+    subprocess.run(["cmake", "--build", str(build_dir), "-j", "2", "--target", *targets], check=True)
     return binary
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--avx2", action="store_true", help="AVX-512 off, into .cache/llama.cpp/build-avx2")
+    ap.add_argument("--server", action="store_true", help=f"build {SERVER} instead of {', '.join(TOOLS)}")
     args = ap.parse_args()
-    for t in TOOLS:
+    for t in [SERVER] if args.server else TOOLS:
         print(t, tool(t, build=True, avx2=args.avx2))

@@ -103,7 +103,7 @@ class RecordedTarget:
         return self.seq[: self.n_past]
 
     def evaluate(self, prompt: Sequence[int], runs: Sequence[tuple[int, int, int]] = (), n_outputs: int = 1,
-                 stop: object = None) -> np.ndarray:
+                 stop: object = None, step: object = None) -> np.ndarray:
         self.trim(0)  # a replay starts from an empty cache
         return self.decode(prompt, n_outputs)
 

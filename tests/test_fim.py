@@ -1,14 +1,16 @@
-"""The FIM prompt layout on a literal vocabulary (characters as tokens)."""
+"""FIM prompts on a literal vocabulary (characters as tokens): llama.cpp's layout and sizes, the typed text in the
+middle, and fitting whole lines to a budget of new tokens."""
 
 import pytest
 
-from edgespec.gguf import Vocab
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
-from edgespec.prompts.fim import infill_tokens
+from edgespec.gguf import Vocab
+from edgespec.prompts.fim import FimPrompt, Infill, Take
 
 PRE, SUF, MID, REP, SEP = 1001, 1002, 1003, 1004, 1005
 QWEN_LIKE = Vocab(n_tokens=2000, type=2, bos=None, eos=1, add_bos=False, fim_pre=PRE, fim_suf=SUF,
                   fim_mid=MID, fim_pad=None, fim_rep=REP, fim_sep=SEP)
+PLAIN = Vocab(**{**QWEN_LIKE.__dict__, "fim_rep": None, "fim_sep": None})
 
 
 def chars(text: str) -> list[int]:
@@ -16,23 +18,67 @@ def chars(text: str) -> list[int]:
 
 
 def test_repo_level_layout_as_llama_cpp():
-    toks = infill_tokens(QWEN_LIKE, chars, "ab", "yz", prompt="P", extra=[("u.py", "T")])
+    toks, _, _ = FimPrompt(QWEN_LIKE, chars).tokens(Infill("ab", "yz", "P", (("u.py", "T"),)))
     expected = [REP, *chars("myproject\n"), SEP, *chars("u.py\n"), *chars("T"), SEP, *chars("filename\n"),
                 PRE, *chars("ab"), *chars("P"), SUF, *chars("yz"), MID]
     assert toks == expected
 
 
-def test_cuts_keep_the_prefix_end_and_the_suffix_start():
-    plain = Vocab(**{**QWEN_LIKE.__dict__, "fim_rep": None, "fim_sep": None})
-    toks = infill_tokens(plain, chars, "0123456789", "abcdefghij", budget=11)  # room 8: 6 prefix, 2 suffix
-    assert toks == [PRE, *chars("456789"), SUF, *chars("ab"), MID]
+def test_the_middle_layout_puts_the_typed_text_after_the_middle_token():
+    toks, _, _ = FimPrompt(PLAIN, chars, "middle").tokens(Infill("ab\n", "yz\n", "P"))
+    assert toks == [PRE, *chars("ab\n"), SUF, *chars("yz\n"), MID, *chars("P")]
+    # a keystroke appends: the prompt before it is a prefix of the prompt after it
+    more, _, _ = FimPrompt(PLAIN, chars, "middle").tokens(Infill("ab\n", "yz\n", "Pq"))
+    assert more[: len(toks)] == toks
+
+
+def test_llama_cpp_sizes_take_three_quarters_of_the_batch_for_the_prefix():
+    """format_prompt_infill: the prefix's last 3*(n_batch/4) tokens, the suffix's first n_batch/4 - 2 - typed."""
+    fim = FimPrompt(PLAIN, chars)
+    toks, kept = fim.llama_cpp_sizes(Infill("0123456789" * 3, "abcdefghij" * 3, "P"), n_batch=16, n_ctx=64,
+                                     n_predict=4)
+    assert toks == [PRE, *chars("890123456789"), *chars("P"), SUF, *chars("a"), MID]
+    assert kept.prefix_tokens == (12, 30) and kept.suffix_tokens == (1, 30) and kept.cut
+
+
+def test_take_counts_whole_lines_from_the_cursor_outwards():
+    fim = FimPrompt(PLAIN, chars)
+    infill = Infill("l1\nl2\nl3\n", "s1\ns2\ns3\n")
+    toks, pre, suf = fim.tokens(infill, Take(prefix_lines=2, suffix_lines=1))
+    assert pre == chars("l2\nl3\n") and suf == chars("s1\n")
+    assert toks == [PRE, *pre, SUF, *suf, MID]
+
+
+def test_fit_keeps_the_lines_nearest_the_cursor_within_the_new_token_budget():
+    fim = FimPrompt(PLAIN, chars)
+    infill = Infill("".join(f"p{i:02d}\n" for i in range(40)), "".join(f"s{i:02d}\n" for i in range(40)))
+    full, kept = fim.fit(infill, room=10_000)
+    assert not kept.cut and len(full) == 3 + 80 * 4
+    toks, kept = fim.fit(infill, room=10_000, max_new=3 + 2 * 4 * 10)  # every token new: 10 lines a side
+    assert kept.cut and kept.prefix_tokens == (40, 160) and kept.suffix_tokens == (40, 160)
+    assert toks[1:5] == chars("p30\n") and toks[-5:-1] == chars("s09\n")
+
+
+def test_fit_counts_only_what_the_cache_cannot_reuse():
+    fim = FimPrompt(PLAIN, chars)
+    infill = Infill("".join(f"p{i:02d}\n" for i in range(40)), "")
+    cached = set(fim.tokens(infill)[0][:-1])  # a stand-in for the cache: tokens it holds cost nothing
+    toks, kept = fim.fit(infill, room=10_000, max_new=5, new_tokens=lambda t: sum(x not in cached for x in t))
+    assert not kept.cut
+
+
+def test_fit_drops_extra_chunks_before_lines_near_the_cursor():
+    fim = FimPrompt(QWEN_LIKE, chars)
+    infill = Infill("".join(f"p{i}\n" for i in range(10)), "", extra=(("big.py", "x" * 400),))
+    toks, kept = fim.fit(infill, room=10_000, max_new=100)
+    assert kept.extra_chunks == (0, 1) and kept.prefix_tokens == (30, 30)
+
+
+def test_room_too_small_for_the_typed_text_is_a_clear_400():
+    with pytest.raises(InvalidRequestError, match="shorter 'prompt'"):
+        FimPrompt(PLAIN, chars).fit(Infill("a\n", "b\n", "x" * 50), room=20)
 
 
 def test_model_without_fim_tokens_is_refused():
     with pytest.raises(UnsupportedModelError, match="fill-in-the-middle"):
-        infill_tokens(Vocab(**{**QWEN_LIKE.__dict__, "fim_pre": None}), chars, "a", "b")
-
-
-def test_extra_context_larger_than_the_budget_is_a_clear_400():
-    with pytest.raises(InvalidRequestError, match="send less extra context"):
-        infill_tokens(QWEN_LIKE, chars, "a", "b", extra=[("big.py", "x" * 500)], budget=100)
+        FimPrompt(Vocab(**{**QWEN_LIKE.__dict__, "fim_pre": None}), chars)

@@ -101,7 +101,7 @@ def test_penalties_bias_probabilities_and_constraints_reach_the_config():
     ({"frequency_penalty": 0, "presence_penalty": 0.0, "logprobs": False, "n": 1, "user": "u",
       "model": "anything", "stream_options": {"include_usage": True}, "parallel_tool_calls": True}, OPENAI_CHAT),
     ({"repeat_penalty": 1.0, "repeat_last_n": 64, "n_probs": 0, "typical_p": 1, "mirostat": 0, "dry_multiplier": 0,
-      "t_max_prompt_ms": 500, "n_keep": 0, "id_slot": -1, "cache_prompt": True, "return_tokens": True,
+      "t_max_prompt_ms": -1, "n_keep": 0, "id_slot": -1, "cache_prompt": True, "return_tokens": True,
       "response_fields": ["content", "timings/prompt_n"], "speculative.n_min": 0, "json_schema": None}, COMPLETION),
 ])
 def test_fields_at_values_that_change_nothing_are_accepted(body, route):
@@ -112,6 +112,22 @@ def test_speculative_object_and_llama_cpp_n_max():
     c = gen({"speculative": {"proposer": "ngram", "k": 8}, "speculative.n_max": 4}).config
     assert (c.proposer, c.k) == ("ngram", 4)
     assert gen({"speculative": {"enabled": False}}).config.proposer == "none"
+
+
+def test_prompt_budget_is_for_infill_and_refused_above_zero_elsewhere():
+    assert schemas.prompt_budget({"t_max_prompt_ms": 500}) == 0.5
+    assert schemas.prompt_budget({"t_max_prompt_ms": -1}) is None and schemas.prompt_budget({}) is None
+    gen({"t_max_prompt_ms": 500}, INFILL)
+    with pytest.raises(InvalidRequestError, match="'t_max_prompt_ms' sizes an /infill prompt"):
+        gen({"t_max_prompt_ms": 500}, COMPLETION)
+
+
+def test_cache_reuse_comes_from_the_request_else_the_route_default():
+    assert gen({"n_cache_reuse": 64}).config.cache_reuse == 64
+    assert schemas.generation({}, INFILL, 4096, 16, 0.8, default_cache_reuse=256).config.cache_reuse == 256
+    assert gen({}).config.cache_reuse == 0
+    with pytest.raises(InvalidRequestError, match="'n_cache_reuse' must be between 0"):
+        gen({"n_cache_reuse": -1})
 
 
 def test_time_limit_and_indent():

@@ -17,6 +17,7 @@ from edgespec.cli.options import (constraints, domain_errors, echo_stats, engine
 from edgespec.cli.terminal import print_stream, read_stdin
 from edgespec.cli.userconfig import settle
 from edgespec.config import (
+    DEFAULT_FIM_LAYOUT,
     DEFAULT_HOST,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_N_CTX,
@@ -27,6 +28,7 @@ from edgespec.config import (
     MAX_K,
     MAX_SEQ,
     SHUTDOWN_GRACE_SECONDS,
+    FIM_LAYOUTS,
     EngineConfig,
     LoadConfig,
     default_threads,
@@ -134,11 +136,19 @@ def chat_cmd(system: str | None, interactive: bool | None, show_draft: bool, **o
                    "--parallel): an editor's completions are served between the cycles of a chat answer.")
 @click.option("--sse-ping-interval", "keepalive", type=click.FloatRange(min=0.01), default=DEFAULT_SSE_PING_SECONDS,
               show_default=True, help="Seconds a stream may stay silent (a long prefill) before a ': ping' comment.")
+@click.option("--cache-reuse", "cache_reuse", type=click.IntRange(min=0), default=None,
+              help="Reuse cached chunks of at least N tokens at their new position (KV shifting) on every route, "
+                   "as llama-server's --cache-reuse; 0 reuses only the common prefix [default: 256 on /infill, 0 "
+                   "elsewhere]. Close to a fresh evaluation, not identical.")
+@click.option("--fim-layout", type=click.Choice(FIM_LAYOUTS), default=DEFAULT_FIM_LAYOUT, show_default=True,
+              help="/infill: the typed part of the cursor line ends the prefix (llama.cpp's layout) or starts the "
+                   "middle (a keystroke then appends to the prompt).")
 @click.option("--shutdown-grace", type=click.FloatRange(min=0), default=SHUTDOWN_GRACE_SECONDS, show_default=True,
               help="Seconds requests in flight get after SIGTERM or Ctrl-C before they are cancelled.")
 @domain_errors
 def serve(host: str, port: int, api_keys: tuple[str, ...], cors_origins: tuple[str, ...], max_body_bytes: int,
-          infill_cancel_older: bool, n_seq: int, keepalive: float, shutdown_grace: float, **o: Any) -> None:
+          infill_cancel_older: bool, n_seq: int, keepalive: float, cache_reuse: int | None, fim_layout: str,
+          shutdown_grace: float, **o: Any) -> None:
     """Serve OpenAI-compatible and llama.cpp-style (/infill, /completion) endpoints."""
     try:
         from edgespec.server import Settings, create_app, is_loopback, serve as run_server
@@ -153,7 +163,8 @@ def serve(host: str, port: int, api_keys: tuple[str, ...], cors_origins: tuple[s
     settings = Settings(host=host, port=port, api_key=api_keys[0] if api_keys else None, api_keys=api_keys[1:],
                         cors_origins=cors_origins,
                         max_body_bytes=max_body_bytes, infill_cancel_older=infill_cancel_older,
-                        model_name=Path(config.model).name, keepalive_seconds=keepalive)
+                        model_name=Path(config.model).name, keepalive_seconds=keepalive, cache_reuse=cache_reuse,
+                        fim_layout=fim_layout)
     if not o["quiet"]:
         click.echo(click.style(f"edgespec serving {config.model} on http://{host}:{port} (GET /health is 503 until "
                                f"the model is loaded)", dim=True), err=True)

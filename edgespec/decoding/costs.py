@@ -86,6 +86,29 @@ class CostTracker:
         self.costs = Costs(c.batches, tuple(t * s for t, s in zip(c.target_seconds, scales)), draft)
 
 
+class PromptRate:
+    """Seconds to evaluate one prompt token in a batch: from the calibration's largest batch, then from every prefill
+    that evaluated enough tokens to say (a decayed mean, so it follows the context depth and the machine's load)."""
+
+    MIN_TOKENS = 16  # a prefill of fewer new tokens is mostly fixed costs: not a rate
+
+    def __init__(self, seconds_per_token: float | None = None, decay: float = COST_DECAY) -> None:
+        self.seconds_per_token, self.decay = seconds_per_token, decay
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens < self.MIN_TOKENS or seconds <= 0:
+            return
+        rate = seconds / tokens
+        old = self.seconds_per_token
+        self.seconds_per_token = rate if old is None else self.decay * old + (1 - self.decay) * rate
+
+    def tokens_within(self, seconds: float) -> int | None:
+        """How many new prompt tokens fit in `seconds` (None while the rate is unknown)."""
+        if self.seconds_per_token is None:
+            return None
+        return max(0, int(seconds / self.seconds_per_token))
+
+
 class AcceptanceTracker:
     """Decayed estimates of conditional acceptance, keyed by a class of proposal.
 

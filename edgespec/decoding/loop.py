@@ -42,7 +42,7 @@ class Target(Protocol):
     def decode(self, tokens: Sequence[int], n_outputs: int = 1) -> np.ndarray: ...
 
     def evaluate(self, prompt: Sequence[int], runs: Sequence[tuple[int, int, int]] = (), n_outputs: int = 1,
-                 stop: Callable[[], bool] | None = None) -> np.ndarray | None: ...
+                 stop: Callable[[], bool] | None = None, step: int | None = None) -> np.ndarray | None: ...
 
     def trim(self, n_keep: int) -> int: ...
 
@@ -116,14 +116,14 @@ class Stats:
 
 
 def prefill(target: Target, prompt: Sequence[int], stats: Stats, reuse: bool = True, min_chunk: int = 0,
-            stop: Callable[[], bool] | None = None) -> np.ndarray | None:
+            stop: Callable[[], bool] | None = None, step: int | None = None) -> np.ndarray | None:
     """Evaluate the prompt, keeping what the cache holds of it: the common prefix (nothing if not `reuse`) and, with
     `min_chunk` > 0 where the cache can shift, every later run of at least that many tokens that only moved
-    (decoding.reuse). The last logits row; None if `stop` ended the evaluation early."""
+    (decoding.reuse), in batches of `step` tokens. The last logits row; None if `stop` ended the evaluation early."""
     kept = chunks.plan(target.tokens if reuse else (), prompt, min_chunk if target.can_shift else 0)
     stats.cached_prompt_tokens = kept.reused
     stats.shifted_prompt_tokens = kept.reused - kept.prefix
-    return target.evaluate(prompt, [(r.start, r.source, r.length) for r in kept.runs], 1, stop)
+    return target.evaluate(prompt, [(r.start, r.source, r.length) for r in kept.runs], 1, stop, step)
 
 
 def cycle(target: Target, proposer: Proposer | None, committed: list[int], k: int, sc: SamplingConfig,
@@ -192,7 +192,7 @@ def steps(target: Target, proposer: Proposer | None, prompt: list[int], config: 
     room = target.n_ctx - len(prompt)
     limit = room if config.max_tokens is None else min(config.max_tokens, room)
     t0 = clock()
-    logits = prefill(target, prompt, stats, reuse, config.cache_reuse, cancel.is_set)
+    logits = prefill(target, prompt, stats, reuse, config.cache_reuse, cancel.is_set, config.prompt_batch)
     stats.prefill_seconds = clock() - t0
     t1 = clock()
     if logits is None:  # cancelled while the prompt was evaluated: what was evaluated stays for the next request

@@ -15,21 +15,23 @@ from typing import Callable, Iterator, Sequence
 
 from edgespec.backend import Grammar, Model, open_facts
 from edgespec.config import DEFAULT_MODEL, EngineConfig, GenerationConfig, LoadConfig
-from edgespec.decoding.costs import CostTracker, calibrate
+from edgespec.decoding.costs import CostTracker, PromptRate, calibrate
 from edgespec.decoding.loop import Stats
 from edgespec.decoding.policy import DRAFT_P_MIN, Costs, draft_can_pay, draft_cannot_pay
 from edgespec.decoding.rules import Rules
 from edgespec.engine import generation
 from edgespec.engine.generation import Chunk, Completion
+from edgespec.engine.infill import InfillPrompt, infill_prompt
 from edgespec.engine.slots import Slot, SlotPool
-from edgespec.errors import EdgespecError, InvalidRequestError, OutOfMemoryError, UnsupportedModelError
+from edgespec.errors import EdgespecError, InvalidRequestError, UnsupportedModelError
 from edgespec.memory import MemoryBank, model_key, tokenizer_fingerprint
-from edgespec.models import ProgressCallback, resolve
+from edgespec.models import ProgressCallback
 from edgespec.onnx import runtime as ort
 from edgespec.onnx.files import is_onnx, locate
 from edgespec.paths import calibration_dir, memory_dir
-from edgespec.planning.plan import gpu_short_error, plan_memory
-from edgespec.prompts import chat, fim
+from edgespec.planning.plan import gpu_short_error, settle
+from edgespec.prompts import chat
+from edgespec.prompts.fim import Infill
 from edgespec.proposers import Proposer
 from edgespec.proposers.auto import AutoProposer
 from edgespec.proposers.draft import DraftProposer, check_compatible
@@ -69,8 +71,11 @@ class Engine:
         self.notes: list[str] = []  # decisions a person should hear about (dropped draft, smaller context)
         self.cost_tracker: CostTracker | None = None  # auto only: calibrated costs, corrected by each pass
         self._status: StatusCallback = status or (lambda message, fraction: None)
-        target_path, draft_path = self._resolve(progress)
-        self.target = self._load(target_path, self.load_config)
+        settled = settle(self.config, progress)
+        self.plan, self.load_config, self._draft_layers = settled.plan, settled.load, settled.draft_layers
+        self._dropped, draft_path = settled.dropped, settled.draft
+        self.notes += settled.notes
+        self.target = self._load(settled.target, self.load_config)
         try:
             if (custom is not None or self.config.proposer != "none") and not self.target.can_trim:
                 raise UnsupportedModelError(
@@ -85,35 +90,15 @@ class Engine:
             raise
         self.slots = [Slot(cache, p) for cache, p in zip(self.target.sequences, proposers)]
         self.pool = SlotPool(self.slots)
+        c = self.costs  # the calibrated largest batch seeds the prompt evaluation rate; every prefill corrects it
+        self.prompt_rate = PromptRate(c.target_seconds[-1] / c.batches[-1] if c is not None else None)
+        if not self.target.can_shift:
+            self.notes.append(f"{self.target.path.name} cannot shift its KV cache (sliding-window attention, or a "
+                              f"recurrent state): a prompt is reused up to its first change only, whatever "
+                              f"--cache-reuse or n_cache_reuse ask")
         # What this engine wrote, per namespace, beside the model cache (memory.py): files read at first use.
         self.memory = MemoryBank(memory_dir() / model_key(self.target.path), self._tokenizer_fingerprint) \
             if self.config.memory else None
-
-    def _resolve(self, progress: ProgressCallback | None) -> tuple[Path, Path | None]:
-        """Fetch or find both models, plan their memory, and settle what loads where."""
-        cfg = self.config
-        draft = cfg.draft
-        if draft is not None and cfg.proposer in ("none", "ngram"):
-            self.notes.append(f"draft {draft} is not used with proposer {cfg.proposer!r}")
-            draft = None
-        target_path = resolve(cfg.model, source=cfg.source, progress=progress)
-        draft_path = None if draft is None else Path(draft) if is_onnx(draft) else resolve(
-            draft, source=cfg.source, progress=progress)
-        self._dropped: Path | None = None  # a draft the plan did not load
-        self.plan = plan_memory(target_path, draft_path, cfg.load, cfg.k_max, cfg.memory_budget,
-                                cfg.draft_gpu_layers, keep_draft=cfg.proposer == "draft", draft_device=cfg.draft_device)
-        self.notes += self.plan.notes
-        if draft_path is not None and not self.plan.load_draft:
-            if cfg.proposer == "draft":
-                raise OutOfMemoryError(f"{self.plan.notes[-1]}; use --proposer auto or ngram, or a larger "
-                                       f"--memory-budget")
-            self._dropped, draft_path = draft_path, None
-        if self.plan.budget.gpu_bytes:
-            self.notes.append(f"layout on {self.plan.budget.gpu_name or self.plan.budget.device}: "
-                              f"{self.plan.chosen.description} ({self.plan.reason})")
-        self.load_config = replace(cfg.load, n_ctx=self.plan.n_ctx, n_gpu_layers=self.plan.target_gpu_layers)
-        self._draft_layers = self.plan.draft_gpu_layers
-        return target_path, draft_path
 
     def _load(self, path: Path, cfg: LoadConfig) -> Model:
         """Load a model where the plan put it; a GPU that has lost the room since is an error with the numbers."""
@@ -225,12 +210,11 @@ class Engine:
         """Tokens of `messages` (and the `tools` they may call) laid out by the model's own chat template."""
         return chat.model_tokens(self.target, messages, add_generation_prompt, tools)
 
-    def infill_tokens(self, prefix: str, suffix: str, prompt: str = "", extra: Sequence[tuple[str, str]] = (),
-                      max_tokens: int = 0) -> list[int]:
-        """A fill-in-the-middle prompt from the model's FIM tokens, cut to leave `max_tokens` of room."""
-        m = self.target
-        return fim.infill_tokens(m.vocab, lambda text: m.tokenize(text, add_special=False, parse_special=False),
-                                 prefix, suffix, prompt, extra, budget=m.n_ctx - max_tokens)
+    def infill_prompt(self, infill: Infill, max_tokens: int, budget_seconds: float | None = None,
+                      slot: int | None = None, cache_reuse: int = 0, layout: str = "prefix") -> InfillPrompt:
+        """A fill-in-the-middle prompt leaving `max_tokens` of room: sized for `budget_seconds` of prompt evaluation
+        against what the slot holds, or as llama.cpp sizes it (engine.infill)."""
+        return infill_prompt(self, infill, max_tokens, budget_seconds, slot, cache_reuse, layout)
 
     def check_fits(self, prompt: Sequence[int], prompt_name: str = "the prompt") -> None:
         """Raise ContextOverflowError, with the numbers, unless the prompt leaves room for one token; `prompt_name`
@@ -275,8 +259,11 @@ class Engine:
                 if slot is None:  # cancelled while it waited for a slot
                     yield Chunk("", [], [], "cancelled", Stats(prompt_tokens=len(prompt_tokens)))
                     return
-                yield from generation.remembered(slot, prompt_tokens, memory,
-                                                 generation.chunks(slot, prompt_tokens, run))
+                for chunk in generation.remembered(slot, prompt_tokens, memory,
+                                                   generation.chunks(slot, prompt_tokens, run)):
+                    if (s := chunk.stats) is not None:
+                        self.prompt_rate.observe(s.prompt_tokens - s.cached_prompt_tokens, s.prefill_seconds)
+                    yield chunk
         finally:
             if rules is not None:
                 rules.close()

@@ -227,7 +227,7 @@ class OnnxSequence:
     can_shift = False  # the past arrays are sliced, never moved: a prefix is all that is reused
 
     def evaluate(self, prompt: Sequence[int], runs: Sequence[tuple[int, int, int]] = (), n_outputs: int = 1,
-                 stop: Any = None) -> np.ndarray:
+                 stop: Any = None, step: Any = None) -> np.ndarray:
         """As KVSequence.evaluate, for a prefix run only."""
         prefix = runs[0][2] if runs and runs[0][:2] == (0, 0) else 0
         self.trim(prefix)

@@ -6,14 +6,16 @@ the calibrations cached on this machine, and hands them to it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from edgespec.backend import read_facts
 from edgespec.devices import devices
 from edgespec.gguf import ModelFacts
-from edgespec.config import LoadConfig
+from edgespec.config import EngineConfig, LoadConfig
 from edgespec.decoding import costs
 from edgespec.errors import EdgespecError, InvalidRequestError, OutOfMemoryError
+from edgespec.models import ProgressCallback, resolve
 from edgespec.onnx import runtime as ort
 from edgespec.onnx.files import OnnxDraftFiles, is_onnx, locate
 from edgespec.paths import calibration_dir
@@ -99,3 +101,40 @@ def gpu_short_error(plan: Plan, path: Path, n_gpu_layers: int, e: EdgespecError)
         f"plan counted on {planned / budget.GiB:.2f} GiB of its memory, {b.gpu_bytes / budget.GiB:.2f} GiB "
         f"was free then and {now / budget.GiB:.2f} GiB is free now; close what took it, or pass "
         f"--gpu-layers N with fewer layers (or --memory-budget)")
+
+
+@dataclass(frozen=True)
+class Settled:
+    """What an engine loads and where, once the models are found and the memory planned."""
+
+    target: Path
+    draft: Path | None  # the draft to load: None without one, or when the plan leaves it out
+    dropped: Path | None  # a draft that was named but that the plan leaves out
+    plan: Plan
+    notes: list[str]  # what a person should hear of it
+    load: LoadConfig  # the target's, with the plan's context and layers
+    draft_layers: int
+
+
+def settle(cfg: EngineConfig, progress: ProgressCallback | None = None) -> Settled:
+    """Fetch or find both models of `cfg`, plan their memory, and settle what loads where."""
+    notes, draft = [], cfg.draft
+    if draft is not None and cfg.proposer in ("none", "ngram"):
+        notes.append(f"draft {draft} is not used with proposer {cfg.proposer!r}")
+        draft = None
+    target_path = resolve(cfg.model, source=cfg.source, progress=progress)
+    draft_path = None if draft is None else Path(draft) if is_onnx(draft) else resolve(
+        draft, source=cfg.source, progress=progress)
+    dropped = None
+    plan = plan_memory(target_path, draft_path, cfg.load, cfg.k_max, cfg.memory_budget, cfg.draft_gpu_layers,
+                       keep_draft=cfg.proposer == "draft", draft_device=cfg.draft_device)
+    notes += plan.notes
+    if draft_path is not None and not plan.load_draft:
+        if cfg.proposer == "draft":
+            raise OutOfMemoryError(f"{plan.notes[-1]}; use --proposer auto or ngram, or a larger --memory-budget")
+        dropped, draft_path = draft_path, None
+    if plan.budget.gpu_bytes:
+        notes.append(f"layout on {plan.budget.gpu_name or plan.budget.device}: {plan.chosen.description} "
+                     f"({plan.reason})")
+    load = replace(cfg.load, n_ctx=plan.n_ctx, n_gpu_layers=plan.target_gpu_layers)
+    return Settled(target_path, draft_path, dropped, plan, notes, load, plan.draft_gpu_layers)

@@ -1,55 +1,174 @@
-"""Fill-in-the-middle prompts from the model's own FIM tokens, laid out as llama.cpp's server does.
+"""Fill-in-the-middle prompts from the model's own FIM tokens, in llama.cpp's repo-level layout:
 
     [<repo>myproject\\n] [<file_sep>name\\ntext]... [<file_sep>filename\\n]
-    <fim_prefix>prefix+prompt <fim_suffix>suffix <fim_middle>
+    <fim_prefix>prefix <fim_suffix>suffix <fim_middle>
 
-Repo-level tokens (repo name, file separator) are used when the model has them,
-as Qwen2.5-Coder does; the prefix keeps its end and the suffix its start when
-they must be cut to leave room for the answer (3:1, as llama.cpp).
+The typed part of the cursor line (/infill's `prompt`) goes at the end of the prefix (layout "prefix", llama.cpp's)
+or at the start of the middle (layout "middle"): there a keystroke appends to the prompt instead of moving the
+suffix after it, so the cache keeps everything but the new characters.
+
+How much context a prompt takes: `llama_cpp_sizes` cuts as llama.cpp's server does for its batch size (3/4 of it
+for the prefix, the rest for the suffix, extra chunks in what is left of the context); `fit` takes whole lines
+nearest the cursor first, as many as a budget of newly evaluated tokens allows.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from edgespec.gguf import Vocab
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
+from edgespec.gguf import Vocab
 
 # llama.cpp separates extra chunks this way when the model has no file separator token.
 CHUNK_SEPARATOR = "\n\n--- snippet ---\n\n"
+LAYOUTS = ("prefix", "middle")
+FIT_STEPS = 64  # resolution of the search over how many lines to keep
 
 
-def infill_tokens(
-    vocab: Vocab,
-    tokenize: Callable[[str], list[int]],
-    prefix: str,
-    suffix: str,
-    prompt: str = "",
-    extra: Sequence[tuple[str, str]] = (),
-    budget: int = 4096,
-) -> list[int]:
-    """The FIM prompt as token ids; `tokenize` must not add BOS or parse special tokens."""
-    if vocab.fim_pre is None or vocab.fim_suf is None or vocab.fim_mid is None:
-        raise UnsupportedModelError("this model has no fill-in-the-middle tokens; use a code model such as "
-                                    "qwen2.5-coder-1.5b for /infill")
-    head: list[int] = []
-    if vocab.fim_rep is not None:
-        head += [vocab.fim_rep, *tokenize("myproject\n")]
-    for filename, text in extra:
-        if vocab.fim_sep is not None:
-            head += [vocab.fim_sep, *tokenize(filename + "\n")]
+@dataclass(frozen=True)
+class Infill:
+    """What an editor sends around the cursor."""
+
+    prefix: str  # the lines before the cursor line
+    suffix: str  # the rest of the cursor line, then the lines after it
+    typed: str = ""  # the cursor line before the cursor
+    extra: tuple[tuple[str, str], ...] = ()  # (filename, text) of other chunks, oldest first
+
+
+@dataclass(frozen=True)
+class Take:
+    """How much of an Infill a prompt holds, counted from the cursor outwards (None: all of it)."""
+
+    prefix_lines: int | None = None
+    suffix_lines: int | None = None
+    extra_chunks: int | None = None  # the latest ones
+
+
+@dataclass(frozen=True)
+class Kept:
+    """What a prompt kept of an Infill and what it was given: (kept, given) prefix and suffix tokens and chunks."""
+
+    prefix_tokens: tuple[int, int]
+    suffix_tokens: tuple[int, int]
+    extra_chunks: tuple[int, int]
+
+    @property
+    def cut(self) -> bool:
+        return any(kept < given for kept, given in (self.prefix_tokens, self.suffix_tokens, self.extra_chunks))
+
+    def to_dict(self) -> dict[str, list[int]]:
+        return {"prefix_tokens": list(self.prefix_tokens), "suffix_tokens": list(self.suffix_tokens),
+                "extra_chunks": list(self.extra_chunks)}
+
+
+class FimPrompt:
+    """FIM prompts for one model: its FIM tokens, its tokenizer (no BOS, special tokens not parsed) and a layout."""
+
+    def __init__(self, vocab: Vocab, tokenize: Callable[[str], list[int]], layout: str = "prefix") -> None:
+        if vocab.fim_pre is None or vocab.fim_suf is None or vocab.fim_mid is None:
+            raise UnsupportedModelError("this model has no fill-in-the-middle tokens; use a code model such as "
+                                        "qwen2.5-coder-1.5b for /infill")
+        if layout not in LAYOUTS:
+            raise InvalidRequestError(f"FIM layout {layout!r} must be one of {', '.join(LAYOUTS)}")
+        self.vocab, self.tokenize, self.layout = vocab, tokenize, layout
+
+    def head(self, extra: Sequence[tuple[str, str]]) -> list[int]:
+        """The repository part: the project name and the extra chunks, each under its file name."""
+        v, out = self.vocab, []
+        if v.fim_rep is not None:
+            out += [v.fim_rep, *self.tokenize("myproject\n")]
+        for filename, text in extra:
+            out += [v.fim_sep, *self.tokenize(filename + "\n")] if v.fim_sep is not None else \
+                self.tokenize(CHUNK_SEPARATOR)
+            out += self.tokenize(text)
+        if v.fim_sep is not None:
+            out += [v.fim_sep, *self.tokenize("filename\n")]
+        return out
+
+    def assemble(self, head: list[int], pre: list[int], typed: list[int], suf: list[int]) -> list[int]:
+        v = self.vocab
+        bos = [v.bos] if v.add_bos and v.bos is not None else []  # after the extra context, as llama.cpp
+        if self.layout == "middle":
+            return [*head, *bos, v.fim_pre, *pre, v.fim_suf, *suf, v.fim_mid, *typed]
+        return [*head, *bos, v.fim_pre, *pre, *typed, v.fim_suf, *suf, v.fim_mid]
+
+    def tokens(self, infill: Infill, take: Take = Take()) -> tuple[list[int], list[int], list[int]]:
+        """The prompt holding `take` of `infill` (whole lines nearest the cursor, the latest extra chunks), and the
+        prefix and suffix tokens it holds."""
+        pre_lines, suf_lines = infill.prefix.splitlines(keepends=True), infill.suffix.splitlines(keepends=True)
+        n_pre, n_suf, n_extra = (_count(take.prefix_lines, len(pre_lines)), _count(take.suffix_lines, len(suf_lines)),
+                                 _count(take.extra_chunks, len(infill.extra)))
+        pre = self.tokenize("".join(pre_lines[len(pre_lines) - n_pre:]))
+        suf = self.tokenize("".join(suf_lines[:n_suf]))
+        extra = infill.extra[len(infill.extra) - n_extra:]
+        return self.assemble(self.head(extra), pre, self.tokenize(infill.typed), suf), pre, suf
+
+    def kept(self, infill: Infill, pre: list[int], suf: list[int], n_extra: int) -> Kept:
+        """What a prompt with these prefix and suffix tokens kept of `infill`."""
+        return Kept((len(pre), len(self.tokenize(infill.prefix))), (len(suf), len(self.tokenize(infill.suffix))),
+                    (n_extra, len(infill.extra)))
+
+    def llama_cpp_sizes(self, infill: Infill, n_batch: int, n_ctx: int, n_predict: int) -> tuple[list[int], Kept]:
+        """The prompt llama.cpp's server builds (format_prompt_infill): the prefix's last 3/4 of n_batch tokens, the
+        suffix's first n_batch/4 less the typed part, and the end of the extra chunks in the room left."""
+        head, pre, suf = self.head(infill.extra), self.tokenize(infill.prefix), self.tokenize(infill.suffix)
+        typed = self.tokenize(infill.typed)
+        n_pre = min(len(pre), 3 * (n_batch // 4))
+        n_suf = min(len(suf), max(0, n_batch // 4 - (2 + len(typed))))
+        n_head = min(max(0, n_ctx - n_batch - 2 * n_predict), len(head))
+        prompt = self.assemble(head[len(head) - n_head:], pre[len(pre) - n_pre:], typed, suf[:n_suf])
+        return prompt, Kept((n_pre, len(pre)), (n_suf, len(suf)),
+                            (len(infill.extra) if n_head == len(head) else 0, len(infill.extra)))
+
+    def fit(self, infill: Infill, room: int, max_new: int | None = None,
+            new_tokens: Callable[[list[int]], int] = len) -> tuple[list[int], Kept]:
+        """The widest prompt of at most `room` tokens of which at most `max_new` are new (`new_tokens` counts them
+        against what is cached): whole lines nearest the cursor first, then the extra chunks, all or none."""
+        def fits(tokens: list[int]) -> bool:
+            return len(tokens) <= room and (max_new is None or new_tokens(tokens) <= max_new)
+
+        found = []  # (lines step, with the extra chunks, the prompt and its parts)
+        for extra in (None, 0) if infill.extra else (None,):
+            step, built = _widest(lambda s: self.tokens(infill, _share(infill, s, extra)), fits)
+            if built is not None:
+                found.append((step, extra is None, built))
+            if step == FIT_STEPS:
+                break
+        if not found:
+            prompt, pre, suf = self.tokens(infill, Take(0, 0, 0))
+            if len(prompt) > room:
+                raise InvalidRequestError(f"the typed text and FIM tokens take {len(prompt)} tokens, more than the "
+                                          f"{room} available for the prompt; send a shorter 'prompt'")
+            return prompt, self.kept(infill, pre, suf, 0)
+        _, with_extra, (prompt, pre, suf) = max(found, key=lambda f: (f[0], f[1]))
+        return prompt, self.kept(infill, pre, suf, len(infill.extra) if with_extra else 0)
+
+
+def _share(infill: Infill, step: int, extra: int | None) -> Take:
+    """`step`/FIT_STEPS of each side's lines, nearest first."""
+    n_pre = math.ceil(step * len(infill.prefix.splitlines()) / FIT_STEPS)
+    n_suf = math.ceil(step * len(infill.suffix.splitlines()) / FIT_STEPS)
+    return Take(n_pre, n_suf, extra)
+
+
+def _widest(build: Callable[[int], tuple[list[int], list[int], list[int]]], fits: Callable[[list[int]], bool]
+            ) -> tuple[int, tuple[list[int], list[int], list[int]] | None]:
+    """The largest step in 0..FIT_STEPS whose prompt fits (a binary search: more lines never cost less)."""
+    full = build(FIT_STEPS)
+    if fits(full[0]):
+        return FIT_STEPS, full
+    lo, hi, found = 0, FIT_STEPS - 1, None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        candidate = build(mid)
+        if fits(candidate[0]):
+            lo, found = mid + 1, (mid, candidate)
         else:
-            head += tokenize(CHUNK_SEPARATOR)
-        head += tokenize(text)
-    if vocab.fim_sep is not None:
-        head += [vocab.fim_sep, *tokenize("filename\n")]
+            hi = mid - 1
+    return found if found else (-1, None)
 
-    pre, suf, mid = tokenize(prefix), tokenize(suffix), tokenize(prompt)
-    room = budget - len(head) - len(mid) - 3 - (1 if vocab.add_bos else 0)
-    if room < 0:
-        raise InvalidRequestError(f"input_extra and prompt take {len(head) + len(mid)} tokens, more than the "
-                                  f"{budget} available for the prompt; send less extra context")
-    n_pre = min(len(pre), 3 * room // 4)
-    n_suf = min(len(suf), room - n_pre)
-    bos = [vocab.bos] if vocab.add_bos and vocab.bos is not None else []  # after the extra context, as llama.cpp
-    return [*head, *bos, vocab.fim_pre, *pre[len(pre) - n_pre:], *mid, vocab.fim_suf, *suf[:n_suf], vocab.fim_mid]
+
+def _count(wanted: int | None, available: int) -> int:
+    return available if wanted is None else max(0, min(wanted, available))

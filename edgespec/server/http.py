@@ -15,7 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from edgespec import errors
-from edgespec.config import DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, DEFAULT_SSE_PING_SECONDS
+from edgespec.config import (DEFAULT_FIM_LAYOUT, DEFAULT_HOST, DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT,
+                             DEFAULT_SSE_PING_SECONDS)
 from edgespec.memory import namespace_of_key
 from edgespec.server import metrics
 
@@ -41,6 +42,8 @@ class Settings:
     model_name: str = "edgespec"
     keepalive_seconds: float = DEFAULT_SSE_PING_SECONDS  # a stream silent this long gets a ': ping' comment
     api_keys: tuple[str, ...] = ()  # more keys besides api_key; each key's requests have a memory of their own
+    cache_reuse: int | None = None  # --cache-reuse: every route's default n_cache_reuse (None: /infill's own)
+    fim_layout: str = DEFAULT_FIM_LAYOUT  # where /infill puts the typed part of the cursor line
 
 
 def is_loopback(host: str) -> bool:

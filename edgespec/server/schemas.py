@@ -27,6 +27,7 @@ from edgespec.config import (
     SamplingConfig,
 )
 from edgespec.prompts import tools
+from edgespec.prompts.fim import Infill
 from edgespec.errors import InvalidRequestError
 
 MAX_STOP_STRINGS = 16
@@ -125,7 +126,11 @@ FIELDS: dict[str, Field] = {
     # -- accepted, no effect by design --------------------------------------------------------------------------
     "model": Field("accepted and not used: the server serves the one model it loaded (GET /v1/models)"),
     "user": Field("accepted and not used: an end-user id for the provider's abuse monitoring", _OAI),
-    "t_max_prompt_ms": Field("accepted and not used: llama.cpp's server does not implement it either"),
+    "t_max_prompt_ms": Field("/infill: the time the prompt's evaluation may take: whole lines nearest the cursor "
+                             "first, as many as the measured evaluation rate allows beyond what the slot's cache "
+                             "already holds (what was cut is reported); a warm-up (n_predict 0) evaluates all of "
+                             "its context instead, preempted by the next request; refused above 0 on the other "
+                             "routes, whose prompt arrives whole (llama.cpp does not implement it)"),
     "n_keep": Field("accepted and not used: it only matters for context shifting, which edgespec does not do "
                     "(an answer ends at the context's end, as in llama.cpp by default)"),
     "n_discard": Field("accepted and not used: as n_keep"),
@@ -180,7 +185,10 @@ FIELDS: dict[str, Field] = {
     "xtc_probability": Field("refused unless 0: not implemented", no_op=_is(0.0)),
     "dynatemp_range": Field("refused unless 0: not implemented", no_op=_is(0.0)),
     "lora": Field("refused unless empty: edgespec loads no adapters", LLAMA_ROUTES, _empty),
-    "n_cache_reuse": Field("refused unless 0: chunk reuse by KV shifting is not implemented", LLAMA_ROUTES, _is(0)),
+    "n_cache_reuse": Field("keep cached runs of at least this many tokens at their new position (KV shifting), "
+                           "after insertions too; 0 keeps the common prefix only. Default: --cache-reuse, else 256 "
+                           "on /infill and 0 elsewhere. A shifted entry was computed with other text before it: "
+                           "the output is close to a fresh evaluation's, not identical"),
     "return_progress": Field("refused unless false: not implemented", LLAMA_ROUTES, _is(False)),
     "speculative.n_min": Field("refused unless 0: auto decides per cycle whether a bet pays", no_op=_is(0)),
     "speculative.p_min": Field("refused unless 0: auto sets the draft's own cut-off", no_op=_is(0.0)),
@@ -263,7 +271,7 @@ class Request:
 
 def generation(body: dict[str, Any], route: str, n_ctx: int, default_max_tokens: int | None,
                default_temperature: float, tokenize: Callable[[str], list[int]] | None = None,
-               n_vocab: int = 2**31 - 1) -> Request:
+               n_vocab: int = 2**31 - 1, default_cache_reuse: int = 0) -> Request:
     """The fields every generation route shares, with llama.cpp's meanings (OpenAI's where they differ).
     `tokenize` turns logit_bias's text keys into tokens."""
     check_fields(body, route)
@@ -275,6 +283,9 @@ def generation(body: dict[str, Any], route: str, n_ctx: int, default_max_tokens:
         max_tokens = None
     sampling = _sampling(body, default_temperature, _logit_bias(body, n_vocab, tokenize))
     time_limit = number(body, "t_max_predict_ms", None, -1, 2**63 - 1, integer=True)
+    if route != INFILL and (number(body, "t_max_prompt_ms", -1, -1, 2**63 - 1, integer=True) or -1) > 0:
+        raise InvalidRequestError(f"'t_max_prompt_ms' sizes an /infill prompt's context; {route} gets its prompt "
+                                  f"whole and cannot cut it: leave the field out or send -1")
     proposer, k = _speculative(body)
     config = GenerationConfig(
         max_tokens=max_tokens, sampling=sampling, reuse_prefix=flag(body, "cache_prompt", True),
@@ -282,6 +293,7 @@ def generation(body: dict[str, Any], route: str, n_ctx: int, default_max_tokens:
         min_indent=number(body, "n_indent", 0, 0, 2**31 - 1, integer=True), proposer=proposer, k=k,
         slot=number(body, "id_slot", None, -1, 2**31 - 1, integer=True), logprobs=_logprobs(body, route),
         memory=MEMORY_LOCAL if flag(body, "memory", True) else None,
+        cache_reuse=number(body, "n_cache_reuse", default_cache_reuse, 0, 2**31 - 1, integer=True),
         **_constraint(body))
     options = body.get("stream_options")
     if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
@@ -290,6 +302,7 @@ def generation(body: dict[str, Any], route: str, n_ctx: int, default_max_tokens:
                 "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p,
                 "seed": -1 if sampling.seed is None else sampling.seed, "n_indent": config.min_indent,
                 "t_max_predict_ms": -1 if time_limit is None else time_limit, "cache_prompt": config.reuse_prefix,
+                "n_cache_reuse": config.cache_reuse,
                 "samplers": list(_samplers(body)), "repeat_penalty": sampling.repeat_penalty,
                 "repeat_last_n": sampling.repeat_last_n, "frequency_penalty": sampling.frequency_penalty,
                 "presence_penalty": sampling.presence_penalty, "n_probs": config.logprobs or 0,
@@ -513,6 +526,18 @@ def messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 msg[key] = m[key]
         out.append(msg)
     return out
+
+
+def infill(body: dict[str, Any]) -> Infill:
+    """What /infill's request holds around the cursor."""
+    return Infill(text_field(body, "input_prefix", "") or "", text_field(body, "input_suffix", "") or "",
+                  text_field(body, "prompt", "") or "", tuple(extra_chunks(body)))
+
+
+def prompt_budget(body: dict[str, Any]) -> float | None:
+    """t_max_prompt_ms in seconds; None when absent, -1 or 0 (no budget)."""
+    ms = number(body, "t_max_prompt_ms", None, -1, 2**63 - 1, integer=True)
+    return ms / 1000 if ms is not None and ms > 0 else None
 
 
 def extra_chunks(body: dict[str, Any]) -> list[tuple[str, str]]:

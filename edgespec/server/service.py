@@ -19,6 +19,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 
 from edgespec import errors
+from edgespec.config import BACKGROUND_BATCH, INFILL_CACHE_REUSE, GenerationConfig
 from edgespec.server import metrics, schemas
 from edgespec.server.http import MAX_DRAIN_BYTES, Settings, TooLarge, Unavailable
 
@@ -45,6 +46,9 @@ class Service:
         self.finished: dict[str, int] = {}  # generations by finish reason, for /health
         self.draining = False  # a signal came: new requests get 503, those in flight get a grace period
         self.metrics = metrics.Metrics()
+        # Prompt evaluations nobody waits on (an editor's warm-up, widening a cut context): each request preempts
+        # them. Their cancel events, and the jobs that end when they have given the engine back.
+        self.background: dict[threading.Event, asyncio.Future] = {}
 
     def load(self) -> None:
         try:
@@ -113,13 +117,43 @@ class Service:
         assert self.executor is not None  # set before the engine is, and engine() checked that
         return asyncio.get_running_loop().run_in_executor(self.executor, self.metrics.queued(job))
 
+    def cache_reuse(self, route: str) -> int:
+        """A route's n_cache_reuse when the request leaves it out: --cache-reuse, else chunk reuse for /infill only
+        (editors' completions, where a moved chunk's nearly-fresh KV is worth a re-evaluation saved)."""
+        if self.settings.cache_reuse is not None:
+            return self.settings.cache_reuse
+        return INFILL_CACHE_REUSE if route == schemas.INFILL else 0
+
+    async def preempt(self) -> None:
+        """Stop the background evaluations and wait for them to give the engine back (within one small batch;
+        what they evaluated stays in the cache, for this request to reuse)."""
+        jobs = list(self.background.items())
+        for cancel, _ in jobs:
+            cancel.set()
+        if jobs:
+            await asyncio.wait([job for _, job in jobs])
+
+    def warm(self, prompt: list[int], config: GenerationConfig) -> None:
+        """Evaluate `prompt` into the cache of `config`'s slot while nobody waits, until the next request."""
+        eng, cancel = self.engine(), threading.Event()
+        config = dataclasses.replace(config, max_tokens=0, prompt_batch=BACKGROUND_BATCH, memory=None)
+        self._background(cancel, self.submit(lambda: list(eng.stream(prompt, config, (), cancel))))
+
+    def _background(self, cancel: threading.Event, job: asyncio.Future) -> None:
+        self.background[cancel] = job
+        job.add_done_callback(lambda _: self.background.pop(cancel, None))
+
     async def run(self, request: Request, prompt: list[int], req: schemas.Request, cancel: threading.Event
                   ) -> list[Chunk]:
-        """Generate without streaming, cancelling if the client disconnects meanwhile."""
+        """Generate without streaming, cancelling if the client disconnects meanwhile. A warm-up (n_predict 0)
+        runs as background work: in small batches, preempted by the next request."""
         eng = self.engine()
         self.active.add(cancel)
         try:
-            job = self.submit(lambda: list(eng.stream(prompt, req.config, req.stop, cancel)))
+            config = _as_background(req.config)
+            job = self.submit(lambda: list(eng.stream(prompt, config, req.stop, cancel)))
+            if req.config.max_tokens == 0:
+                self._background(cancel, job)
             while not job.done():
                 if await request.is_disconnected():
                     cancel.set()
@@ -141,7 +175,7 @@ class Service:
 
         def work() -> None:
             try:
-                for chunk in eng.stream(prompt, req.config, req.stop, cancel):
+                for chunk in eng.stream(prompt, _as_background(req.config), req.stop, cancel):
                     loop.call_soon_threadsafe(queue.put_nowait, chunk)
                     if chunk.finish_reason is not None:
                         loop.call_soon_threadsafe(self.count, chunk)
@@ -173,6 +207,11 @@ class Service:
         return gen()
 
 
+def _as_background(config: GenerationConfig) -> GenerationConfig:
+    """A warm-up's evaluation in small batches, so that the next request preempts it within one."""
+    return dataclasses.replace(config, prompt_batch=BACKGROUND_BATCH) if config.max_tokens == 0 else config
+
+
 def prompt_of(body: dict[str, Any], eng: Engine) -> list[int]:
     """'prompt' as text, or as token ids (both APIs accept either)."""
     value = body.get("prompt")
@@ -185,10 +224,10 @@ def prompt_of(body: dict[str, Any], eng: Engine) -> list[int]:
 
 
 def request_of(body: dict[str, Any], route: str, eng: Engine, default_max_tokens: int | None,
-                default_temperature: float) -> schemas.Request:
+               default_temperature: float, default_cache_reuse: int = 0) -> schemas.Request:
     return schemas.generation(body, route, eng.n_ctx, default_max_tokens, default_temperature,
                               lambda text: eng.target.tokenize(text, add_special=False, parse_special=True),
-                              eng.n_vocab)
+                              eng.n_vocab, default_cache_reuse)
 
 
 def check_request(eng: Engine, prompt: list[int], prompt_name: str, req: schemas.Request) -> None:
@@ -213,4 +252,4 @@ def spec(s: Stats, req: schemas.Request) -> dict[str, Any]:
     return {"proposer": req.config.proposer, "k": req.config.k, "drafted": s.drafted, "accepted": s.accepted,
             "acceptance_rate": round(s.acceptance_rate, 4), "cycles": s.cycles,
             "cycles_by_proposer": dict(s.cycles_by_proposer), "tokens_per_second": round(s.tokens_per_second, 2),
-            "cached_prompt_tokens": s.cached_prompt_tokens}
+            "cached_prompt_tokens": s.cached_prompt_tokens, "shifted_prompt_tokens": s.shifted_prompt_tokens}

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -33,23 +34,42 @@ class LlamaRoutes:
         """llama.cpp's native /completion, as Continue and others call it."""
         body = await self.svc.body_of(request)
         eng = self.svc.engine()
-        req = request_of(body, schemas.COMPLETION, eng, LLAMA_N_PREDICT, LLAMA_TEMPERATURE)
+        req = request_of(body, schemas.COMPLETION, eng, LLAMA_N_PREDICT, LLAMA_TEMPERATURE,
+                         self.svc.cache_reuse(schemas.COMPLETION))
+        await self.svc.preempt()
         return await self.respond(request, prompt_of(body, eng), req, "'prompt'")
 
     async def infill(self, request: Request) -> Response:
-        """llama.cpp's /infill: prefix, suffix and extra files around the cursor, as llama.vim sends them."""
+        """llama.cpp's /infill: prefix, suffix and extra files around the cursor, as llama.vim sends them; sized to
+        t_max_prompt_ms against what the slot holds (engine.infill). When the budget cut the context, the rest is
+        evaluated in the background after the answer, so the next request can take it."""
         body = await self.svc.body_of(request)
         eng = self.svc.engine()
-        req = request_of(body, schemas.INFILL, eng, LLAMA_N_PREDICT, LLAMA_TEMPERATURE)
-        room = req.config.max_tokens if req.config.max_tokens else LLAMA_N_PREDICT  # kept free for the answer
-        prompt = eng.infill_tokens(
-            schemas.text_field(body, "input_prefix", "") or "", schemas.text_field(body, "input_suffix", "") or "",
-            schemas.text_field(body, "prompt", "") or "", schemas.extra_chunks(body), min(room, eng.n_ctx // 2))
-        return await self.respond(request, prompt, req, "the infill prompt ('input_prefix', 'input_suffix', "
-                                                               "'prompt', 'input_extra')", infill=True)
+        req = request_of(body, schemas.INFILL, eng, LLAMA_N_PREDICT, LLAMA_TEMPERATURE,
+                         self.svc.cache_reuse(schemas.INFILL))
+        c = req.config
+        budget = schemas.prompt_budget(body) if c.max_tokens != 0 else None  # a warm-up evaluates all it is sent
+        await self.svc.preempt()
+        room = c.max_tokens if c.max_tokens else LLAMA_N_PREDICT  # kept free for the answer
+        layout = self.svc.settings.fim_layout
+        ip = eng.infill_prompt(schemas.infill(body), min(room, eng.n_ctx // 2), budget, c.slot, c.cache_reuse, layout)
+        req = dataclasses.replace(req, config=dataclasses.replace(c, slot=ip.slot))
+        report = {"truncated": ip.kept.cut, "infill": {"layout": layout, "budget_tokens": ip.budget_tokens,
+                                                       **ip.kept.to_dict()}}
+
+        def widen() -> None:
+            if ip.widest is not None and not self.svc.draining:
+                self.svc.warm(ip.widest, req.config)
+
+        return await self.respond(request, ip.tokens, req, "the infill prompt ('input_prefix', 'input_suffix', "
+                                                           "'prompt', 'input_extra')", infill=True, report=report,
+                                  after=widen)
 
     async def respond(self, request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
-                             infill: bool = False) -> Response:
+                      infill: bool = False, report: dict[str, Any] | None = None,
+                      after: Callable[[], None] | None = None) -> Response:
+        """Run the generation and answer as llama.cpp does; `report` joins the final object, `after` runs once the
+        answer is complete."""
         check_request(self.svc.engine(), prompt, prompt_name, req)
         req = in_namespace(request, req)
         model, piece = self.svc.settings.model_name, self.svc.engine().target.token_piece
@@ -65,11 +85,13 @@ class LlamaRoutes:
                 for i in range(req.n):  # n_cmpl: one after another in the slot that holds the prompt
                     chunks = await self.svc.run(request, prompt, req, cancel)
                     final = _llama_final("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
-                                         chunks[-1], model, req) | {"index": i}
+                                         chunks[-1], model, req) | (report or {}) | {"index": i}
                     if req.config.logprobs is not None:
                         final["completion_probabilities"] = logprobs.llama(
                             [lp for c in chunks for lp in c.logprobs or []], piece)
                     results.append(schemas.pick_fields(final, req.response_fields))
+                if after is not None:
+                    after()
                 return JSONResponse(results if req.n > 1 else results[0])
         finally:
             if not req.stream:
@@ -82,7 +104,10 @@ class LlamaRoutes:
                     if c is None:
                         yield KEEPALIVE
                     elif c.stats is not None:  # in a stream, the text came in the earlier events
-                        yield sse(schemas.pick_fields(_llama_final("", [], c, model, req), req.response_fields))
+                        final = _llama_final("", [], c, model, req) | (report or {})
+                        yield sse(schemas.pick_fields(final, req.response_fields))
+                        if after is not None:
+                            after()
                     elif c.text or c.tokens:
                         event = {"content": c.text, "tokens": c.tokens, "stop": False}
                         if c.logprobs:
@@ -130,7 +155,7 @@ def _llama_final(text: str, tokens: list[int], last: Chunk, model: str, req: sch
         "stopped_eos": stop_type == "eos", "stopped_limit": stop_type == "limit", "stopped_word": stop_type == "word",
         "cancelled": last.finish_reason == "cancelled",
         "timings": {
-            "cache_n": s.cached_prompt_tokens, "prompt_n": evaluated, "prompt_ms": s.prefill_seconds * 1000,
+            "cache_n": s.cached_prompt_tokens, "shifted_n": s.shifted_prompt_tokens, "prompt_n": evaluated, "prompt_ms": s.prefill_seconds * 1000,
             "prompt_per_token_ms": s.prefill_seconds * 1000 / evaluated if evaluated else 0,
             "prompt_per_second": evaluated / s.prefill_seconds if s.prefill_seconds else 0,
             "predicted_n": s.completion_tokens, "predicted_ms": s.decode_seconds * 1000,

@@ -39,13 +39,17 @@ class OpenAIRoutes:
     async def completions(self, request: Request) -> Response:
         body = await self.svc.body_of(request)
         eng = self.svc.engine()
-        req = request_of(body, schemas.OPENAI_COMPLETIONS, eng, OPENAI_COMPLETIONS_MAX_TOKENS, OPENAI_TEMPERATURE)
+        req = request_of(body, schemas.OPENAI_COMPLETIONS, eng, OPENAI_COMPLETIONS_MAX_TOKENS, OPENAI_TEMPERATURE,
+                         self.svc.cache_reuse(schemas.OPENAI_COMPLETIONS))
+        await self.svc.preempt()
         return await self.respond(request, prompt_of(body, eng), req, "'prompt'", chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
         body = await self.svc.body_of(request)
         eng = self.svc.engine()
-        req = request_of(body, schemas.OPENAI_CHAT, eng, OPENAI_CHAT_MAX_TOKENS, OPENAI_TEMPERATURE)
+        req = request_of(body, schemas.OPENAI_CHAT, eng, OPENAI_CHAT_MAX_TOKENS, OPENAI_TEMPERATURE,
+                         self.svc.cache_reuse(schemas.OPENAI_CHAT))
+        await self.svc.preempt()
         plan = None
         if body.get("tools"):
             plan = tools.choose(tools.check_tools(body["tools"], lambda p, what: json_schema_gbnf(p, what)),

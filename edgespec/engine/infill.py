@@ -1,0 +1,64 @@
+"""An editor's completion request laid out against what a slot already holds.
+
+Without a time budget the FIM context is cut as llama.cpp's server cuts it for the same batch size. With one
+(llama.vim's and llama.vscode's `t_max_prompt_ms`) it takes as many whole lines nearest the cursor as the prompt
+evaluation rate allows to evaluate in that time, counting only tokens the slot's cache cannot reuse: a cold cache
+gets a narrow context, answered in about the time asked, and the context widens as the cache warms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from edgespec.decoding import reuse
+from edgespec.engine.slots import Slot
+from edgespec.prompts.fim import FimPrompt, Infill, Kept
+
+if TYPE_CHECKING:
+    from edgespec.engine.core import Engine
+
+
+@dataclass(frozen=True)
+class InfillPrompt:
+    tokens: list[int]
+    kept: Kept  # what of the request the prompt holds
+    slot: int  # the slot it was sized against: the generation should run there
+    new_tokens: int  # prompt tokens to evaluate in that slot, as planned now
+    budget_tokens: int | None  # new tokens the time budget allowed (None: no budget, or no rate known yet)
+    widest: list[int] | None = None  # the prompt with all the context that fits, when the budget cut it
+
+
+def infill_prompt(engine: Engine, infill: Infill, max_tokens: int, budget_seconds: float | None = None,
+                  slot: int | None = None, cache_reuse: int = 0, layout: str = "prefix") -> InfillPrompt:
+    """The FIM prompt for `infill` that leaves `max_tokens` of room, sized for `budget_seconds` of prompt evaluation
+    (None: as llama.cpp sizes it), in `slot` or else the free slot that can reuse most of it."""
+    m = engine.target
+    fim = FimPrompt(m.vocab, lambda text: m.tokenize(text, add_special=False, parse_special=False), layout)
+    room = engine.n_ctx - max_tokens
+
+    def new_tokens(s: Slot, tokens: list[int]) -> int:
+        return reuse.plan(list(s.cache.tokens), tokens, cache_reuse if s.cache.can_shift else 0).new
+
+    budget = engine.prompt_rate.tokens_within(budget_seconds) if budget_seconds is not None else None
+    if budget is None:
+        tokens, kept = fim.llama_cpp_sizes(infill, m.n_batch, engine.n_ctx, max_tokens)
+        chosen = _slot_for(engine.slots, slot, lambda s: new_tokens(s, tokens))
+    else:
+        widest = fim.fit(infill, room)[0]
+        chosen = _slot_for(engine.slots, slot, lambda s: new_tokens(s, widest))
+        target = engine.slots[chosen]
+        tokens, kept = fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t))
+        if tokens != widest:
+            return InfillPrompt(tokens, kept, chosen, new_tokens(target, tokens), budget, widest)
+    return InfillPrompt(tokens, kept, chosen, new_tokens(engine.slots[chosen], tokens), budget)
+
+
+def _slot_for(slots: list[Slot], wanted: int | None, cost: Callable[[Slot], int]) -> int:
+    """`wanted` (modulo the slot count), else the free slot (any slot when all are busy) where the prompt costs
+    least, the least recently used among equals."""
+    if wanted is not None and wanted >= 0:
+        return wanted % len(slots)
+    pool = [s for s in slots if not s.busy] or slots
+    best = min(pool, key=lambda s: (cost(s), s.last_used))
+    return slots.index(best)

@@ -52,26 +52,38 @@ def test_take_counts_whole_lines_from_the_cursor_outwards():
 def test_fit_keeps_the_lines_nearest_the_cursor_within_the_new_token_budget():
     fim = FimPrompt(PLAIN, chars)
     infill = Infill("".join(f"p{i:02d}\n" for i in range(40)), "".join(f"s{i:02d}\n" for i in range(40)))
-    full, kept = fim.fit(infill, room=10_000)
-    assert not kept.cut and len(full) == 3 + 80 * 4
-    toks, kept = fim.fit(infill, room=10_000, max_new=3 + 2 * 4 * 10)  # every token new: 10 lines a side
-    assert kept.cut and kept.prefix_tokens == (40, 160) and kept.suffix_tokens == (40, 160)
-    assert toks[1:5] == chars("p30\n") and toks[-5:-1] == chars("s09\n")
+    full = fim.fit(infill, room=10_000)
+    assert not full.kept.cut and len(full.tokens) == 3 + 80 * 4
+    cut = fim.fit(infill, room=10_000, max_new=3 + 2 * 4 * 10)  # every token new: 10 lines a side
+    assert cut.kept.cut and cut.kept.prefix_tokens == (40, 160) and cut.kept.suffix_tokens == (40, 160)
+    assert cut.tokens[1:5] == chars("p30\n") and cut.tokens[-5:-1] == chars("s09\n")
 
 
 def test_fit_counts_only_what_the_cache_cannot_reuse():
     fim = FimPrompt(PLAIN, chars)
     infill = Infill("".join(f"p{i:02d}\n" for i in range(40)), "")
     cached = set(fim.tokens(infill)[0][:-1])  # a stand-in for the cache: tokens it holds cost nothing
-    toks, kept = fim.fit(infill, room=10_000, max_new=5, new_tokens=lambda t: sum(x not in cached for x in t))
-    assert not kept.cut
+    assert not fim.fit(infill, room=10_000, max_new=5, new_tokens=lambda t: sum(x not in cached for x in t)).kept.cut
 
 
-def test_fit_drops_extra_chunks_before_lines_near_the_cursor():
+def test_fit_takes_lines_near_the_cursor_before_the_latest_extra_chunks():
     fim = FimPrompt(QWEN_LIKE, chars)
-    infill = Infill("".join(f"p{i}\n" for i in range(10)), "", extra=(("big.py", "x" * 400),))
-    toks, kept = fim.fit(infill, room=10_000, max_new=100)
-    assert kept.extra_chunks == (0, 1) and kept.prefix_tokens == (30, 30)
+    chunks = (("old.py", "o" * 100), ("new.py", "n" * 100))
+    infill = Infill("".join(f"p{i}\n" for i in range(10)), "", extra=chunks)
+    one_chunk = fim.tokens(infill, Take(None, None, 1))[0]
+    f = fim.fit(infill, room=10_000, max_new=len(one_chunk))  # every token new: the lines and the latest chunk
+    assert f.kept.prefix_tokens == (30, 30) and f.kept.extra_chunks == (1, 2) and f.tokens == one_chunk
+    assert chars("new.py\n") == f.tokens[12:19]
+
+
+def test_widening_grows_outwards_and_ends_with_everything_that_fits():
+    fim = FimPrompt(PLAIN, chars)
+    infill = Infill("".join(f"p{i:02d}\n" for i in range(64)), "".join(f"s{i:02d}\n" for i in range(64)))
+    start = fim.fit(infill, room=10_000, max_new=3 + 2 * 4 * 8)
+    wider = list(fim.widening(infill, 10_000, start, 8))
+    assert wider and wider[-1] == fim.tokens(infill)[0]
+    sizes = [len(start.tokens), *map(len, wider)]
+    assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
 
 
 def test_room_too_small_for_the_typed_text_is_a_clear_400():

@@ -3,13 +3,15 @@
 Without a time budget the FIM context is cut as llama.cpp's server cuts it for the same batch size. With one
 (llama.vim's and llama.vscode's `t_max_prompt_ms`) it takes as many whole lines nearest the cursor as the prompt
 evaluation rate allows to evaluate in that time, counting only tokens the slot's cache cannot reuse: a cold cache
-gets a narrow context, answered in about the time asked, and the context widens as the cache warms.
+gets a narrow context, answered in about the time asked. After the answer, the context is widened in the background
+a few lines at a time (each wider prompt reusing the one before it), so the cache warms outwards from the cursor and
+the next request can take more.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from edgespec.decoding import reuse
 from edgespec.engine.slots import Slot
@@ -17,6 +19,8 @@ from edgespec.prompts.fim import FimPrompt, Infill, Kept
 
 if TYPE_CHECKING:
     from edgespec.engine.core import Engine
+
+WIDEN_LINES_STEP = 4  # of fim.FIT_STEPS: each background step adds 1/16 of the lines on each side
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,8 @@ class InfillPrompt:
     slot: int  # the slot it was sized against: the generation should run there
     new_tokens: int  # prompt tokens to evaluate in that slot, as planned now
     budget_tokens: int | None  # new tokens the time budget allowed (None: no budget, or no rate known yet)
-    widest: list[int] | None = None  # the prompt with all the context that fits, when the budget cut it
+    # Ever wider prompts out to all the context that fits, when the budget cut it: for the background.
+    widening: Callable[[], Iterator[list[int]]] = field(default=lambda: iter(()))
 
 
 def infill_prompt(engine: Engine, infill: Infill, max_tokens: int, budget_seconds: float | None = None,
@@ -44,14 +49,13 @@ def infill_prompt(engine: Engine, infill: Infill, max_tokens: int, budget_second
     if budget is None:
         tokens, kept = fim.llama_cpp_sizes(infill, m.n_batch, engine.n_ctx, max_tokens)
         chosen = _slot_for(engine.slots, slot, lambda s: new_tokens(s, tokens))
-    else:
-        widest = fim.fit(infill, room)[0]
-        chosen = _slot_for(engine.slots, slot, lambda s: new_tokens(s, widest))
-        target = engine.slots[chosen]
-        tokens, kept = fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t))
-        if tokens != widest:
-            return InfillPrompt(tokens, kept, chosen, new_tokens(target, tokens), budget, widest)
-    return InfillPrompt(tokens, kept, chosen, new_tokens(engine.slots[chosen], tokens), budget)
+        return InfillPrompt(tokens, kept, chosen, new_tokens(engine.slots[chosen], tokens), None)
+    widest = fim.fit(infill, room).tokens
+    chosen = _slot_for(engine.slots, slot, lambda s: new_tokens(s, widest))
+    target = engine.slots[chosen]
+    fitted = fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t))
+    return InfillPrompt(fitted.tokens, fitted.kept, chosen, new_tokens(target, fitted.tokens), budget,
+                        lambda: fim.widening(infill, room, fitted, WIDEN_LINES_STEP))
 
 
 def _slot_for(slots: list[Slot], wanted: int | None, cost: Callable[[Slot], int]) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence, TypeVar
 
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
 from edgespec.gguf import Vocab
@@ -25,6 +25,7 @@ from edgespec.gguf import Vocab
 CHUNK_SEPARATOR = "\n\n--- snippet ---\n\n"
 LAYOUTS = ("prefix", "middle")
 FIT_STEPS = 64  # resolution of the search over how many lines to keep
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -123,51 +124,70 @@ class FimPrompt:
                             (len(infill.extra) if n_head == len(head) else 0, len(infill.extra)))
 
     def fit(self, infill: Infill, room: int, max_new: int | None = None,
-            new_tokens: Callable[[list[int]], int] = len) -> tuple[list[int], Kept]:
+            new_tokens: Callable[[list[int]], int] = len) -> Fitted:
         """The widest prompt of at most `room` tokens of which at most `max_new` are new (`new_tokens` counts them
-        against what is cached): whole lines nearest the cursor first, then the extra chunks, all or none."""
-        def fits(tokens: list[int]) -> bool:
-            return len(tokens) <= room and (max_new is None or new_tokens(tokens) <= max_new)
+        against what is cached): whole lines nearest the cursor first, then the latest extra chunks."""
+        def fits(take: Take) -> tuple[list[int], list[int], list[int]] | None:
+            built = self.tokens(infill, take)
+            ok = len(built[0]) <= room and (max_new is None or new_tokens(built[0]) <= max_new)
+            return built if ok else None
 
-        found = []  # (lines step, with the extra chunks, the prompt and its parts)
-        for extra in (None, 0) if infill.extra else (None,):
-            step, built = _widest(lambda s: self.tokens(infill, _share(infill, s, extra)), fits)
-            if built is not None:
-                found.append((step, extra is None, built))
-            if step == FIT_STEPS:
-                break
-        if not found:
-            prompt, pre, suf = self.tokens(infill, Take(0, 0, 0))
+        step, built = _largest(FIT_STEPS, lambda s: fits(_share(infill, s, 0)))
+        if built is None:
+            prompt = self.tokens(infill, Take(0, 0, 0))[0]
+            raise InvalidRequestError(f"the typed text and FIM tokens take {len(prompt)} tokens, more than the "
+                                      f"{room} available for the prompt; send a shorter 'prompt'")
+        n_extra, with_extra = _largest(len(infill.extra), lambda e: fits(_share(infill, step, e)))
+        prompt, pre, suf = with_extra or built
+        return Fitted(prompt, self.kept(infill, pre, suf, n_extra), step, n_extra)
+
+    def widening(self, infill: Infill, room: int, fitted: Fitted, lines_step: int) -> Iterator[list[int]]:
+        """Prompts ever wider than `fitted`, out to all that fits `room`: `lines_step` more steps of lines at a
+        time, then one extra chunk more at a time, each the one before it with more context around it."""
+        last = fitted.tokens
+        for step in [*range(fitted.step + lines_step, FIT_STEPS, lines_step), FIT_STEPS]:
+            prompt = self.tokens(infill, _share(infill, step, fitted.extra_chunks))[0]
             if len(prompt) > room:
-                raise InvalidRequestError(f"the typed text and FIM tokens take {len(prompt)} tokens, more than the "
-                                          f"{room} available for the prompt; send a shorter 'prompt'")
-            return prompt, self.kept(infill, pre, suf, 0)
-        _, with_extra, (prompt, pre, suf) = max(found, key=lambda f: (f[0], f[1]))
-        return prompt, self.kept(infill, pre, suf, len(infill.extra) if with_extra else 0)
+                return
+            if prompt != last:
+                yield (last := prompt)
+        for n in range(fitted.extra_chunks + 1, len(infill.extra) + 1):
+            prompt = self.tokens(infill, _share(infill, FIT_STEPS, n))[0]
+            if len(prompt) > room:
+                return
+            yield prompt
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """A prompt `fit` chose: its tokens, what it kept, its lines step and how many extra chunks it holds."""
+
+    tokens: list[int]
+    kept: Kept
+    step: int  # of FIT_STEPS: the share of each side's lines, nearest first
+    extra_chunks: int
 
 
 def _share(infill: Infill, step: int, extra: int | None) -> Take:
-    """`step`/FIT_STEPS of each side's lines, nearest first."""
+    """`step`/FIT_STEPS of each side's lines, nearest first, and the `extra` latest chunks."""
     n_pre = math.ceil(step * len(infill.prefix.splitlines()) / FIT_STEPS)
     n_suf = math.ceil(step * len(infill.suffix.splitlines()) / FIT_STEPS)
     return Take(n_pre, n_suf, extra)
 
 
-def _widest(build: Callable[[int], tuple[list[int], list[int], list[int]]], fits: Callable[[list[int]], bool]
-            ) -> tuple[int, tuple[list[int], list[int], list[int]] | None]:
-    """The largest step in 0..FIT_STEPS whose prompt fits (a binary search: more lines never cost less)."""
-    full = build(FIT_STEPS)
-    if fits(full[0]):
-        return FIT_STEPS, full
-    lo, hi, found = 0, FIT_STEPS - 1, None
+def _largest(top: int, build: Callable[[int], T | None]) -> tuple[int, T | None]:
+    """The largest n in 0..top for which `build` gives something, and that (a binary search: more context never
+    costs less); (0, None) when even 0 gives nothing."""
+    if (full := build(top)) is not None:
+        return top, full
+    lo, hi, found = 0, top - 1, (0, None)
     while lo <= hi:
         mid = (lo + hi) // 2
-        candidate = build(mid)
-        if fits(candidate[0]):
+        if (candidate := build(mid)) is not None:
             lo, found = mid + 1, (mid, candidate)
         else:
             hi = mid - 1
-    return found if found else (-1, None)
+    return found
 
 
 def _count(wanted: int | None, available: int) -> int:

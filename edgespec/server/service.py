@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -133,11 +133,20 @@ class Service:
         if jobs:
             await asyncio.wait([job for _, job in jobs])
 
-    def warm(self, prompt: list[int], config: GenerationConfig) -> None:
-        """Evaluate `prompt` into the cache of `config`'s slot while nobody waits, until the next request."""
+    def warm(self, prompts: Callable[[], Iterable[list[int]]], config: GenerationConfig) -> None:
+        """Evaluate each of `prompts` in turn into the cache of `config`'s slot while nobody waits, until the next
+        request (each prompt is the one before it with more context: what was evaluated stays usable)."""
         eng, cancel = self.engine(), threading.Event()
         config = dataclasses.replace(config, max_tokens=0, prompt_batch=BACKGROUND_BATCH, memory=None)
-        self._background(cancel, self.submit(lambda: list(eng.stream(prompt, config, (), cancel))))
+
+        def work() -> None:
+            for prompt in prompts():
+                if cancel.is_set():
+                    return
+                for _ in eng.stream(prompt, config, (), cancel):
+                    pass
+
+        self._background(cancel, self.submit(work))
 
     def _background(self, cancel: threading.Event, job: asyncio.Future) -> None:
         self.background[cancel] = job

@@ -58,8 +58,8 @@ class LlamaRoutes:
                                                        **ip.kept.to_dict()}}
 
         def widen() -> None:
-            if ip.widest is not None and not self.svc.draining:
-                self.svc.warm(ip.widest, req.config)
+            if ip.kept.cut and budget is not None and not self.svc.draining:
+                self.svc.warm(ip.widening, req.config)
 
         return await self.respond(request, ip.tokens, req, "the infill prompt ('input_prefix', 'input_suffix', "
                                                            "'prompt', 'input_extra')", infill=True, report=report,

@@ -43,8 +43,9 @@ OPENAI_TEMPERATURE = 1.0
 LLAMA_N_PREDICT = 128
 LLAMA_TEMPERATURE = 0.8
 # /infill reuses cached chunks of at least this many tokens at their new position unless the request or --cache-reuse
-# says otherwise (the editors' READMEs recommend llama-server's --cache-reuse 256); other routes reuse only a prefix.
-INFILL_CACHE_REUSE = 256
+# says otherwise; other routes reuse only a prefix. Small, because a context widened a few lines at a time (engine.infill)
+# moves the lines near the cursor as short chunks.
+INFILL_CACHE_REUSE = 32
 FIM_LAYOUTS = ("prefix", "middle")  # where /infill puts the typed part of the cursor line (prompts.fim)
 DEFAULT_FIM_LAYOUT = "prefix"
 # Tokens per batch of an evaluation nobody waits on (a warm-up): the next request preempts it within one batch.

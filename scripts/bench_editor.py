@@ -1,0 +1,351 @@
+"""Editing sessions replayed as llama.vim and llama.vscode drive them, in lockstep against `edgespec serve` and
+llama-server, built from the llama.cpp that llama-cpp-python vendors (scripts/llama_tools.py --server).
+
+A session walks the cursor down real source files, line by line: a completion right after the indent, another
+half-way through the line (the user typed on), and after each suggestion the editor's speculative request (the
+suggestion taken as accepted). Chunks of other files go into the ring of extra context, announced by the editor's
+warm-up request (n_predict 0, fire and forget), the ring dropping its oldest chunk when full. The bodies are the
+editors' own (tests/clients/llama_vim.json, llama_vscode.json), with their default windows (256 lines before the
+cursor, 64 after).
+
+Both servers get the same requests in the same order; the one not being asked is frozen (SIGSTOP), so neither's
+background work runs in the other's time, and after each answer the server that gave it keeps the machine for the
+user's think time (--think). Reported per server: median and p90 latency of the requests the user waits on, prompt
+tokens evaluated per request (timings.prompt_n), completions that agree with the file's real next text for at
+least 4 characters, and answers slower than t_max_prompt_ms + t_max_predict_ms + 1 s.
+
+    python scripts/llama_tools.py --server          # once: about 20 minutes on 2 cores
+    python scripts/bench_editor.py --out bench-results/editor.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+
+from llama_tools import SERVER, tool  # noqa: E402
+
+from edgespec.models import fetch  # noqa: E402
+
+N_PREFIX, N_SUFFIX = 256, 64  # both editors' default windows, in lines
+RING_CHUNK_LINES = 32
+VIM_FIELDS = ["content", "timings/prompt_n", "timings/prompt_ms", "timings/prompt_per_token_ms",
+              "timings/prompt_per_second", "timings/predicted_n", "timings/predicted_ms",
+              "timings/predicted_per_token_ms", "timings/predicted_per_second", "truncated", "tokens_cached"]
+# Files walked by default: this project's own code (no model has seen it) and one standard-library module.
+DEFAULT_FILES = ("edgespec/decoding/loop.py:182:24", "edgespec/server/schemas.py:268:20",
+                 f"{Path(json.__file__).parent / 'decoder.py'}:330:16")
+DEFAULT_RING = ("edgespec/backend.py", "edgespec/prompts/fim.py", "edgespec/engine/slots.py", "edgespec/memory.py",
+                "edgespec/decoding/reuse.py", "edgespec/planning/budget.py")
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """A place in a file where the editor asks for a completion."""
+
+    path: str
+    line: int  # 0-based
+    col: int
+    prefix: str  # the lines before the cursor line, as the editor sends them
+    suffix: str  # the rest of the line, then the lines after
+    typed: str  # the cursor line before the cursor
+    indent: int
+    real: str  # what the file really holds after the cursor
+
+
+def cursors(path: Path, start: int, n_lines: int) -> Iterator[Cursor]:
+    """After the indent, then half-way through each non-blank line of [start, start + n_lines)."""
+    lines = path.read_text().splitlines()
+    for y in range(start, min(start + n_lines, len(lines))):
+        line = lines[y]
+        indent = len(line) - len(line.lstrip())
+        if not line.strip():
+            continue
+        for x in sorted({indent, indent + (len(line) - indent) // 2}):
+            yield Cursor(str(path), y, x, "".join(s + "\n" for s in lines[max(0, y - N_PREFIX):y]),
+                         "\n".join([line[x:], *lines[y + 1:y + 1 + N_SUFFIX]]) + "\n", line[:x], indent,
+                         "\n".join([line[x:], *lines[y + 1:y + 8]]))
+
+
+def ring_chunks(paths: list[Path]) -> Iterator[dict[str, Any]]:
+    """Chunks of other files, as the editors collect them (on opening a buffer, a yank, a save)."""
+    for path in paths:
+        lines = path.read_text().splitlines()
+        for start in range(0, len(lines), RING_CHUNK_LINES * 3):
+            text = "\n".join(lines[start:start + RING_CHUNK_LINES]) + "\n"
+            yield {"text": text, "time": [int(time.time()), 0], "filename": str(path.relative_to(ROOT))}
+
+
+def vim_fim(c: Cursor, extra: list[dict], speculative: bool) -> dict[str, Any]:
+    """llama.vim's llama#fim body: 250 ms to predict on the first request at a place, 1000 on the speculative."""
+    return {"id_slot": 0, "input_prefix": c.prefix, "input_suffix": c.suffix, "input_extra": extra,
+            "prompt": c.typed, "n_predict": 128, "stop": [], "n_indent": c.indent, "top_k": 40, "top_p": 0.90,
+            "samplers": ["top_k", "top_p", "infill"], "stream": False, "cache_prompt": True,
+            "t_max_prompt_ms": 500, "t_max_predict_ms": 1000 if speculative else 250,
+            "response_fields": VIM_FIELDS, "model": ""}
+
+
+def vim_warmup(extra: list[dict]) -> dict[str, Any]:
+    return {"id_slot": 0, "input_prefix": "", "input_suffix": "", "input_extra": extra, "prompt": "",
+            "n_predict": 0, "temperature": 0.0, "samplers": [], "stream": False, "cache_prompt": True,
+            "t_max_prompt_ms": 1, "t_max_predict_ms": 1, "response_fields": [""], "model": ""}
+
+
+def vscode_fim(c: Cursor, extra: list[dict], speculative: bool) -> dict[str, Any]:
+    """llama.vscode's getFIMCompletion body (n_indent left out when 0, as its spread does)."""
+    body = {"id_slot": 0, "input_prefix": c.prefix, "input_suffix": c.suffix,
+            "input_extra": [{**e, "time": 1767225600123} for e in extra],
+            "prompt": c.typed if c.typed.strip() else "", "n_predict": 128, "n_cmpl": 3, "top_k": 40, "top_p": 0.99,
+            "stream": False, "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True,
+            "t_max_prompt_ms": 500, "t_max_predict_ms": 500, "model": "google/gemini-2.5-flash"}
+    if c.indent:
+        body["n_indent"] = c.indent
+    return body
+
+
+def vscode_warmup(extra: list[dict]) -> dict[str, Any]:
+    return {"id_slot": 0, "input_prefix": "", "input_suffix": "",
+            "input_extra": [{**e, "time": 1767225600123} for e in extra], "prompt": "", "n_predict": 0,
+            "samplers": [], "cache_prompt": True, "t_max_prompt_ms": 500, "t_max_predict_ms": 1}
+
+
+FLAVOURS = {"llama.vim": (vim_fim, vim_warmup), "llama.vscode": (vscode_fim, vscode_warmup)}
+
+
+def accepted(c: Cursor, suggestion: str) -> Cursor:
+    """The cursor after the editor shows `suggestion` and takes it as accepted (its speculative request): its
+    first line appended to the typed text; the real text after it is unknown, so nothing to compare."""
+    first = suggestion.split("\n", 1)[0]
+    return Cursor(c.path, c.line, c.col + len(first), c.prefix, c.suffix, c.typed + first, c.indent, "")
+
+
+def agreement(completion: str, real: str) -> int:
+    """Characters the completion gets right before it parts from the file's real text."""
+    return len(os.path.commonprefix([completion, real]))
+
+
+@dataclass
+class Record:
+    kind: str  # fim, speculative, warmup
+    where: str
+    seconds: float
+    prompt_n: int | None
+    cache_n: int | None
+    content: str
+    real: str
+    limit_seconds: float  # t_max_prompt_ms + t_max_predict_ms + 1 s
+    agree: int
+
+
+@dataclass
+class Peer:
+    name: str
+    command: list[str]
+    port: int
+    proc: subprocess.Popen | None = None
+    records: list[Record] = field(default_factory=list)
+    pending: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, log: Path) -> None:
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+        deadline = time.time() + 900
+        while time.time() < deadline:
+            assert self.proc.poll() is None, f"{self.name} exited; see {log}"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} did not become healthy")
+
+    def freeze(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def ask(self, body: dict[str, Any]) -> tuple[dict[str, Any], float]:
+        t0 = time.perf_counter()
+        r = httpx.post(self.url + "/infill", json=body, timeout=3600)
+        seconds = time.perf_counter() - t0
+        r.raise_for_status()
+        data = r.json()
+        return (data[0] if isinstance(data, list) else data), seconds
+
+    def post_and_forget(self, body: dict[str, Any]) -> None:
+        """A warm-up: the editor does not wait for it, the server's next answer may."""
+        def send() -> None:
+            t0 = time.perf_counter()
+            try:
+                data, _ = self.ask(body)
+            except httpx.HTTPError as e:
+                data = {"content": f"error: {e}"}
+            self.records.append(_record("warmup", "ring", data, time.perf_counter() - t0, body, ""))
+
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        self.pending.append(thread)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.thaw()
+            self.proc.terminate()
+            self.proc.wait(60)
+
+
+def _record(kind: str, where: str, data: dict, seconds: float, body: dict, real: str) -> Record:
+    timings = data.get("timings") or {}
+    prompt_n = data.get("timings/prompt_n", timings.get("prompt_n"))
+    cache_n = data.get("tokens_cached", timings.get("cache_n"))
+    content = data.get("content", "")
+    limit = (body.get("t_max_prompt_ms", 0) + body.get("t_max_predict_ms", 0)) / 1000 + 1.0
+    return Record(kind, where, seconds, prompt_n, cache_n, content, real, limit, agreement(content, real))
+
+
+def turn(peer: Peer, others: list[Peer], fn: Any) -> Any:
+    """Run `fn` with `peer` alone on the machine."""
+    for o in others:
+        o.freeze()
+    peer.thaw()
+    try:
+        return fn()
+    finally:
+        for o in others:
+            o.thaw()
+
+
+def session(peers: list[Peer], flavour: str, files: list[tuple[Path, int, int]], ring_files: list[Path],
+            ring_size: int, ring_every: int, think: float) -> None:
+    fim, warmup = FLAVOURS[flavour]
+    ring: list[dict] = []
+    chunks = ring_chunks(ring_files)
+    lines_done = 0
+    for path, start, n in files:
+        last_line = None
+        for c in cursors(path, start, n):
+            if c.line != last_line:
+                last_line, lines_done = c.line, lines_done + 1
+                if lines_done % ring_every == 1 and (chunk := next(chunks, None)) is not None:
+                    ring = (ring + [chunk])[-ring_size:]
+                    for p in peers:
+                        turn(p, [o for o in peers if o is not p], lambda p=p: (p.post_and_forget(warmup(ring)),
+                                                                               time.sleep(think)))
+            for p in peers:
+                turn(p, [o for o in peers if o is not p], lambda p=p: _ask_pair(p, c, ring, fim, think))
+            print(f"{flavour} {Path(c.path).name}:{c.line + 1}:{c.col}  " + "  ".join(
+                f"{p.name} {p.records[-1].seconds:5.1f}s" for p in peers), file=sys.stderr)
+
+
+def _ask_pair(p: Peer, c: Cursor, ring: list[dict], fim: Any, think: float) -> None:
+    """The completion at `c`, then the editor's speculative request on the suggestion, each with think time."""
+    where = f"{Path(c.path).name}:{c.line + 1}:{c.col}"
+    body = fim(c, ring, False)
+    data, seconds = p.ask(body)
+    p.records.append(_record("fim", where, data, seconds, body, c.real))
+    time.sleep(think)
+    if data.get("content"):
+        spec = accepted(c, data["content"])
+        body = fim(spec, ring, True)
+        data, seconds = p.ask(body)
+        p.records.append(_record("speculative", where, data, seconds, body, ""))
+        time.sleep(think)
+
+
+def summary(peers: list[Peer], flavour: str) -> list[str]:
+    rows, stats = [], {}
+    for p in peers:
+        waited = [r for r in p.records if r.kind != "warmup"]
+        if not waited:
+            continue
+        lat = sorted(r.seconds for r in waited)
+        fims = [r for r in waited if r.kind == "fim"]
+        stats[p.name] = (statistics.median(lat), lat[max(0, round(0.9 * len(lat)) - 1)])
+        prompt_ns = [r.prompt_n for r in waited if r.prompt_n is not None]
+        over = sum(r.seconds > r.limit_seconds for r in waited[1:])
+        rows.append(f"| {flavour} | {p.name} | {len(waited)} | {stats[p.name][0]:.2f} s | {stats[p.name][1]:.2f} s | "
+                    f"{statistics.mean(prompt_ns) if prompt_ns else float('nan'):.0f} | "
+                    f"{sum(r.agree >= 4 for r in fims)}/{len(fims)} | {over} |")
+    if len(stats) == 2:
+        (a, sa), (b, sb) = stats.items()
+        rows.append(f"| {flavour} | {a} ÷ {b} | | {sa[0] / sb[0]:.2f}x | {sa[1] / sb[1]:.2f}x | | | |")
+    return rows
+
+
+def parse_files(specs: list[str]) -> list[tuple[Path, int, int]]:
+    out = []
+    for spec in specs:
+        path, start, n = spec.rsplit(":", 2)
+        p = Path(path)
+        out.append((p if p.is_absolute() else ROOT / p, int(start) - 1, int(n)))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--files", nargs="+", default=list(DEFAULT_FILES), help="PATH:FIRST_LINE:LINES, walked in order")
+    ap.add_argument("--ring", nargs="+", default=list(DEFAULT_RING), help="files whose chunks fill the ring")
+    ap.add_argument("--ring-size", type=int, default=8)
+    ap.add_argument("--ring-every", type=int, default=4, help="a new ring chunk (and a warm-up) every N lines")
+    ap.add_argument("--flavours", nargs="+", default=list(FLAVOURS), choices=list(FLAVOURS))
+    ap.add_argument("--think", type=float, default=1.0, help="seconds the user takes after each answer")
+    ap.add_argument("--ctx", type=int, default=8192)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--edgespec-args", default="", help="extra arguments for edgespec serve")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "editor.json")
+    args = ap.parse_args()
+
+    model = fetch(args.model)
+    server_bin = tool(SERVER, build=False)
+    if server_bin is None:
+        sys.exit(f"{SERVER} is not built; run: python scripts/llama_tools.py --server (about 20 minutes)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": {}}
+    table = ["| session | server | requests | median | p90 | prompt tokens evaluated (mean) | right ≥ 4 chars | "
+             "over budget + 1 s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for flavour in args.flavours:
+        peers = [Peer("edgespec", [sys.executable, "-m", "edgespec.cli", "serve", "-m", str(model), "--ctx",
+                                   str(args.ctx), "--threads", str(args.threads), "--port", "18012", "-q",
+                                   *args.edgespec_args.split()], 18012),
+                 Peer("llama-server", [str(server_bin), "-m", str(model), "--ctx-size", str(args.ctx), "-t",
+                                       str(args.threads), "--cache-reuse", "256", "-ub", "1024", "-b", "1024",
+                                       "--host", "127.0.0.1", "--port", "18080"], 18080)]
+        try:
+            for p in peers:  # one at a time: edgespec calibrates at its first load, on a quiet machine
+                p.start(args.out.with_suffix(f".{p.name}.log"))
+            session(peers, flavour, parse_files(args.files), [ROOT / f for f in args.ring], args.ring_size,
+                    args.ring_every, args.think)
+        finally:
+            for p in peers:
+                p.stop()
+        results["runs"][flavour] = {p.name: [asdict(r) for r in p.records] for p in peers}
+        table += summary(peers, flavour)
+        args.out.write_text(json.dumps(results, indent=1))
+    print("\n".join(table))
+    results["table"] = table
+    args.out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Where the typed part of the cursor line goes in a FIM prompt: at the end of the prefix (llama.cpp's layout) or at
+the start of the middle (edgespec's "middle": a keystroke then only appends to the prompt). Same cursors, same
+context, greedy completions from the same engine; each is compared with what the file really holds after the cursor.
+
+Cursors are those of scripts/bench_editor.py (after the indent and half-way through each line). The prefix runs from
+a fixed line to the cursor and the suffix holds the next lines, so consecutive prompts share their start and each
+layout keeps its own slot: every prompt is evaluated exactly (no shifted entries), and the layouts differ in nothing
+else.
+
+    python scripts/bench_fim_layout.py --out bench-results/fim-layout.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+
+from bench_editor import DEFAULT_FILES, agreement, cursors, parse_files  # noqa: E402
+
+from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig  # noqa: E402
+from edgespec.prompts.fim import LAYOUTS, FimPrompt, Infill  # noqa: E402
+
+SUFFIX_LINES = 16
+PREFIX_LINES = 96  # the prefix starts this many lines before the first cursor of a file, then grows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--files", nargs="+", default=list(DEFAULT_FILES), help="PATH:FIRST_LINE:LINES")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "fim-layout.json")
+    args = ap.parse_args()
+
+    config = EngineConfig(args.model, proposer="none", load=LoadConfig(n_ctx=4096, n_threads=args.threads, n_seq=2),
+                          memory=False)
+    records: list[dict] = []
+    with Engine(config) as eng:
+        m = eng.target
+        prompts = {layout: FimPrompt(m.vocab, lambda t: m.tokenize(t, add_special=False, parse_special=False), layout)
+                   for layout in LAYOUTS}
+        for path, start, n in parse_files(args.files):
+            lines = path.read_text().splitlines()
+            first = max(0, start - PREFIX_LINES)
+            for c in cursors(path, start, n):
+                infill = Infill("".join(s + "\n" for s in lines[first:c.line]),
+                                "\n".join([lines[c.line][c.col:], *lines[c.line + 1:c.line + 1 + SUFFIX_LINES]]) + "\n",
+                                c.typed)
+                row = {"where": f"{path.name}:{c.line + 1}:{c.col}", "real": c.real}
+                for slot, (layout, fim) in enumerate(prompts.items()):
+                    tokens, _, _ = fim.tokens(infill)
+                    t0 = time.perf_counter()
+                    out = eng.generate(tokens, GenerationConfig(max_tokens=args.max_tokens, slot=slot, memory=None,
+                                                                min_indent=c.indent))
+                    row[layout] = {"text": out.text, "agree": agreement(out.text, c.real),
+                                   "prompt_tokens": len(tokens), "cached": out.stats.cached_prompt_tokens,
+                                   "seconds": time.perf_counter() - t0}
+                records.append(row)
+                print(f"{row['where']:<24} " + "  ".join(f"{layout} {row[layout]['agree']:>3}" for layout in LAYOUTS),
+                      file=sys.stderr)
+    lines_out = ["| layout | cursors | right ≥ 4 chars | first line right | mean characters right | "
+                 "prompt tokens evaluated (mean) |", "|---|---:|---:|---:|---:|---:|"]
+    for layout in LAYOUTS:
+        rs = [r[layout] for r in records]
+        first_line = sum(bool(r[layout]["text"].split("\n")[0].strip())
+                         and r["real"].split("\n")[0] == r[layout]["text"].split("\n")[0] for r in records)
+        evaluated = sum(x["prompt_tokens"] - x["cached"] for x in rs) / len(rs)
+        lines_out.append(f"| {layout} | {len(rs)} | {sum(x['agree'] >= 4 for x in rs)} | {first_line} | "
+                         f"{sum(x['agree'] for x in rs) / len(rs):.1f} | {evaluated:.0f} |")
+    print("\n".join(lines_out))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "cpu": os.cpu_count(),
+                                    "records": records, "table": lines_out}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -164,8 +164,10 @@ class Model(FirstSequence):
             self.n_vocab = self.vocab.n_tokens
             if facts_only:
                 return
-            # Recurrent state has nothing to park.
-            self._parks = [] if self.facts.recurrent else list(range(cfg.n_seq, cfg.n_seq + PARKS))
+            # Recurrent state has nothing to park; a sliding-window cache would grow to the whole context with them
+            # (llama.cpp sizes it by the sequences), so those models reuse a prefix only.
+            windowed = self.facts.recurrent or llama_cpp.llama_model_n_swa(self._model) > 0
+            self._parks = [] if windowed else list(range(cfg.n_seq, cfg.n_seq + PARKS))
             cparams = _context_params(cfg, len(self._parks))
             self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
             if not self._ctx:
@@ -190,7 +192,7 @@ class Model(FirstSequence):
         # Recurrent state cannot be cut at an arbitrary position; speculation needs that.
         self.can_trim = not self.facts.recurrent
         # Chunk reuse moves cached entries to new positions (a K-shift); sliding-window caches and M-RoPE cannot.
-        self.can_shift = self.can_trim and bool(llama_cpp.llama_memory_can_shift(self._mem))
+        self.can_shift = bool(self._parks) and bool(llama_cpp.llama_memory_can_shift(self._mem))
         self.sequences = [KVSequence(self, i) for i in range(cfg.n_seq)]
         self._pieces: dict[int, bytes] = {}
 

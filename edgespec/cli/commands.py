@@ -100,9 +100,13 @@ def complete(prompt: str | None, **o: Any) -> None:
 @click.option("-s", "--system", default=None, help="System prompt.")
 @click.option("--interactive/--once", default=None,
               help="Prompt for turns, or answer standard input once [default: prompt when stdin is a terminal].")
+@click.option("--cache-reuse", type=click.IntRange(min=0), default=0, show_default=True,
+              help="When the oldest turns are dropped to make room, keep the cached turns after them at their new "
+                   "place (chunks of at least N tokens, shifted) instead of evaluating them again; 0 keeps the "
+                   "chat exact. Close to a fresh evaluation, not identical.")
 @show_draft_option
 @domain_errors
-def chat_cmd(system: str | None, interactive: bool | None, show_draft: bool, **o: Any) -> None:
+def chat_cmd(system: str | None, interactive: bool | None, show_draft: bool, cache_reuse: int, **o: Any) -> None:
     """Talk with a model; tokens stream as they are accepted. Piped input gets one answer.
 
     On a terminal: line editing, history kept between sessions (up/down), \"\"\" or Alt-Enter for several lines,
@@ -114,7 +118,8 @@ def chat_cmd(system: str | None, interactive: bool | None, show_draft: bool, **o
 
     with open_engine(o) as engine:
         # In a chat the context, not a fixed number, bounds an answer (unless -n says otherwise).
-        session = ChatSession(engine, generation_config(o, max_tokens=None), system=system, stop=o["stop"])
+        session = ChatSession(engine, generation_config(o, max_tokens=None, cache_reuse=cache_reuse), system=system,
+                              stop=o["stop"])
         run_chat(session, sys.stdin.isatty() if interactive is None else interactive, history_path(), o["quiet"],
                  show_draft)
 

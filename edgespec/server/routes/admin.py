@@ -60,6 +60,9 @@ class AdminRoutes:
             "speculative": {"proposer": eng.config.proposer, "k_max": eng.plan.k_max,
                             "draft": eng.config.draft, "draft_loaded": eng.draft_loaded,
                             "memory": eng.memory is not None},
+            "cache_reuse": {"can_shift": m.can_shift, "infill": self.svc.cache_reuse(schemas.INFILL),
+                            "other_routes": self.svc.cache_reuse(schemas.COMPLETION),
+                            "fim_layout": self.svc.settings.fim_layout},
             "endpoint_metrics": True, "endpoint_slots": False, "endpoint_props": True,
         })
 

@@ -1,0 +1,165 @@
+"""Chunk reuse by KV shifting and the time-budgeted /infill, on a real server and real models: what an editor's next
+request evaluates after the window slid, after an insertion, after a warm-up, and on a cold cache with a budget."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import llama_cpp
+import pytest
+from test_server import Server
+
+from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig
+from edgespec.backend import Model
+from edgespec.config import LoadConfig as Load
+from edgespec.decoding import reuse
+
+SOURCE = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(80)]  # 80 two-line functions
+HEAD = "<|fim_prefix|>"
+
+
+@pytest.fixture(scope="module")
+def server(qwen_draft_path):
+    """The smallest FIM model; one slot, so every request finds the cache the one before it left."""
+    s = Server(qwen_draft_path, "--ctx", "4096", "--slots", "1")
+    yield s
+    s.stop()
+
+
+def completion(server, prompt: str, **fields) -> dict:
+    body = {"prompt": prompt, "n_predict": 1, "temperature": 0, "cache_prompt": True, **fields}
+    r = httpx.post(server.url + "/completion", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def tokens(server, text: str) -> list[int]:
+    return httpx.post(server.url + "/tokenize", json={"content": text}, timeout=60).json()["tokens"]
+
+
+def test_a_cold_request_with_a_budget_cuts_its_context_and_says_so(server):
+    """First, while the cache is cold: 100 ms buys a few dozen tokens, so most of 160 lines are cut and reported."""
+    body = {"input_prefix": "".join(SOURCE), "input_suffix": "\n".join(SOURCE[:20]), "prompt": "    ",
+            "n_predict": 4, "temperature": 0, "t_max_prompt_ms": 100}
+    out = httpx.post(server.url + "/infill", json=body, timeout=300).json()
+    assert out["truncated"] is True
+    kept, given = out["infill"]["prefix_tokens"]
+    assert 0 <= kept < given
+    assert out["timings"]["prompt_n"] <= out["infill"]["budget_tokens"] + 1
+    # without a budget the same request is cut as llama.cpp cuts it: 3/4 of the batch for the prefix
+    out = httpx.post(server.url + "/infill", json={**body, "t_max_prompt_ms": -1}, timeout=300).json()
+    assert out["infill"]["budget_tokens"] is None and out["infill"]["prefix_tokens"][0] == 3 * 512 // 4
+
+
+def test_a_sliding_window_evaluates_only_the_new_tokens(server):
+    first = HEAD + "".join(SOURCE[0:60])
+    completion(server, first, n_cache_reuse=32)
+    slid = HEAD + "".join(SOURCE[1:61])  # the first function dropped, one added at the end
+    out = completion(server, slid, n_cache_reuse=32)
+    added = len(tokens(server, SOURCE[60]))
+    assert out["timings"]["prompt_n"] <= added + 2
+    assert out["timings"]["shifted_n"] >= len(tokens(server, "".join(SOURCE[1:60]))) - 2
+
+
+def test_an_insertion_in_the_middle_reuses_the_chunk_after_it(server):
+    before = HEAD + "".join(SOURCE[0:30]) + "".join(SOURCE[30:60])
+    completion(server, before, n_cache_reuse=32)
+    inserted = "# a comment typed in the middle\n"
+    after = HEAD + "".join(SOURCE[0:30]) + inserted + "".join(SOURCE[30:60])
+    out = completion(server, after, n_cache_reuse=32)
+    assert out["timings"]["prompt_n"] <= len(tokens(server, inserted)) + 3
+    assert out["timings"]["shifted_n"] >= len(tokens(server, "".join(SOURCE[30:60]))) - 3
+
+
+def test_n_cache_reuse_on_a_request_is_honoured(server):
+    """The same slide with n_cache_reuse 0 keeps only the common prefix: everything after the dropped line again."""
+    completion(server, HEAD + "".join(SOURCE[0:40]), n_cache_reuse=0)
+    out = completion(server, HEAD + "".join(SOURCE[1:41]), n_cache_reuse=0)
+    assert out["timings"]["shifted_n"] == 0
+    assert out["timings"]["prompt_n"] >= len(tokens(server, "".join(SOURCE[1:41]))) - 2
+    assert out["generation_settings"]["n_cache_reuse"] == 0
+
+
+def test_a_ring_warm_up_pays_off_also_after_the_ring_drops_its_oldest_chunk(server):
+    """llama.vim's ring warm-up (n_predict 0) leaves the extra chunks cached; when the ring drops its oldest chunk,
+    the next completion shifts the rest instead of evaluating it again."""
+    ring = [{"filename": f"m{i}.py", "text": "".join(SOURCE[10 * i:10 * i + 10])} for i in range(5)]
+    warm = {"input_prefix": "", "input_suffix": "", "input_extra": ring, "prompt": "", "n_predict": 0,
+            "samplers": [], "t_max_prompt_ms": 1, "t_max_predict_ms": 1, "response_fields": [""]}
+    assert httpx.post(server.url + "/infill", json=warm, timeout=300).json() == {}
+    fim = {"input_prefix": "def g(y):\n", "input_suffix": "\n", "prompt": "    ", "n_predict": 4,
+           "temperature": 0, "t_max_prompt_ms": 500, "t_max_predict_ms": 250}
+    out = httpx.post(server.url + "/infill", json={**fim, "input_extra": ring}, timeout=300).json()
+    extra_tokens = sum(len(tokens(server, c["text"])) for c in ring)
+    assert out["tokens_cached"] >= extra_tokens and out["infill"]["extra_chunks"] == [5, 5]
+    ring = ring[1:] + [{"filename": "m5.py", "text": "".join(SOURCE[50:60])}]
+    warm = {k: v for k, v in warm.items() if k != "response_fields"}  # this time, read what it evaluated
+    out = httpx.post(server.url + "/infill", json={**warm, "input_extra": ring}, timeout=300).json()
+    assert out["timings"]["shifted_n"] >= sum(len(tokens(server, c["text"])) for c in ring[:-1]) - 8
+    assert out["timings"]["prompt_n"] <= len(tokens(server, ring[-1]["text"])) + 24
+    out = httpx.post(server.url + "/infill", json={**fim, "input_extra": ring}, timeout=300).json()
+    assert out["tokens_cached"] >= sum(len(tokens(server, c["text"])) for c in ring)
+    assert out["infill"]["extra_chunks"] == [5, 5]
+
+
+def test_llama_vim_speculative_request_costs_a_handful_of_prompt_tokens(server):
+    """After a suggestion is shown, llama.vim asks again as if it were accepted: the cache already holds it."""
+    fim = {"input_prefix": "".join(SOURCE[:20]) + "def add(a, b):\n", "input_suffix": "\n\nprint(add(1, 2))\n",
+           "prompt": "    return a", "n_predict": 16, "temperature": 0, "t_max_prompt_ms": 2000,
+           "t_max_predict_ms": 250, "samplers": ["top_k", "top_p", "infill"]}
+    first = httpx.post(server.url + "/infill", json=fim, timeout=300).json()
+    line = first["content"].split("\n")[0]
+    assert line
+    spec = httpx.post(server.url + "/infill", json={**fim, "prompt": fim["prompt"] + line,
+                                                    "t_max_predict_ms": 1000}, timeout=300).json()
+    assert spec["timings"]["prompt_n"] <= len(tokens(server, line)) + 16
+
+
+def test_a_request_preempts_a_warm_up_in_flight(server):
+    """A long warm-up is background work: the next completion does not wait for all of it."""
+    big = [{"filename": "big.py", "text": "".join(SOURCE) * 2}]
+    warm = {"input_prefix": "", "input_suffix": "", "input_extra": big, "prompt": "", "n_predict": 0,
+            "samplers": [], "t_max_prompt_ms": 1}
+    answers: list[dict] = []
+    t = threading.Thread(target=lambda: answers.append(httpx.post(server.url + "/infill", json=warm,
+                                                                  timeout=300).json()))
+    t.start()
+    time.sleep(1.5)  # the warm-up is under way
+    out = completion(server, "x = 1\n")
+    t.join(300)
+    assert out["timings"]["prompt_n"] >= 1
+    assert answers and answers[0]["cancelled"] is True  # preempted; what it evaluated stayed in the cache
+
+
+def test_positions_stay_contiguous_after_every_shift(smollm_path):
+    """After drops, insertions and moves the sequence holds exactly its tokens at 0..n-1 (as many cells as a fresh
+    evaluation of them takes), and decoding goes on from there."""
+    with Model(smollm_path, Load(n_ctx=1024, n_threads=2, n_seq=2)) as m:
+        s, fresh = m.sequences
+        lines = [m.tokenize(f"line {i}: value = {i * i}\n", add_special=False) for i in range(40)]
+        windows = [lines[0:30], lines[1:31], lines[1:15] + [lines[35]] + lines[15:31], lines[3:20] + lines[25:38]]
+        for window in windows:
+            prompt = [t for line in window for t in line]
+            kept = reuse.plan(s.tokens, prompt, 8)
+            s.evaluate(prompt, [(r.start, r.source, r.length) for r in kept.runs])
+            assert s.tokens == prompt
+            assert llama_cpp.llama_memory_seq_pos_min(m._mem, 0) == 0 and s.pos_max() == len(prompt) - 1
+            fresh.trim(0)
+            fresh.evaluate(prompt)
+            assert llama_cpp.llama_state_seq_get_size(m._ctx, 0) == llama_cpp.llama_state_seq_get_size(m._ctx, 1)
+        s.decode([lines[39][0]])
+        assert s.pos_max() == len(s.tokens) - 1
+
+
+def test_a_model_that_cannot_shift_reuses_its_prefix_only_and_says_so(gemma_path):
+    """Gemma-3 keeps a sliding-window cache, which llama.cpp cannot shift: chunk reuse falls back to the prefix."""
+    with Engine(EngineConfig(str(gemma_path), proposer="none", load=LoadConfig(n_ctx=2048, n_threads=2),
+                             memory=False)) as eng:
+        assert not eng.target.can_shift
+        assert any("cannot shift its KV cache" in n for n in eng.notes)
+        body = "".join(SOURCE[:20])
+        eng.generate(body, GenerationConfig(max_tokens=1, cache_reuse=32, memory=None))
+        out = eng.generate("".join(SOURCE[1:21]), GenerationConfig(max_tokens=1, cache_reuse=32, memory=None))
+        assert out.stats.shifted_prompt_tokens == 0 and out.stats.cached_prompt_tokens <= 4

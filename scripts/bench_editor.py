@@ -70,7 +70,9 @@ class Cursor:
 
 
 def cursors(path: Path, start: int, n_lines: int) -> Iterator[Cursor]:
-    """After the indent, then half-way through each non-blank line of [start, start + n_lines)."""
+    """The user (re)writes each non-blank line of [start, start + n_lines): a completion after the indent, then one
+    half-way through the line. The rest of the line is not written yet, so the editor's suffix starts with the line
+    end, and the completion is compared with the line's real rest (and the lines after it)."""
     lines = path.read_text().splitlines()
     for y in range(start, min(start + n_lines, len(lines))):
         line = lines[y]
@@ -79,7 +81,7 @@ def cursors(path: Path, start: int, n_lines: int) -> Iterator[Cursor]:
             continue
         for x in sorted({indent, indent + (len(line) - indent) // 2}):
             yield Cursor(str(path), y, x, "".join(s + "\n" for s in lines[max(0, y - N_PREFIX):y]),
-                         "\n".join([line[x:], *lines[y + 1:y + 1 + N_SUFFIX]]) + "\n", line[:x], indent,
+                         "\n".join(["", *lines[y + 1:y + 1 + N_SUFFIX]]) + "\n", line[:x], indent,
                          "\n".join([line[x:], *lines[y + 1:y + 8]]))
 
 

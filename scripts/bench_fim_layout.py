@@ -53,8 +53,7 @@ def main() -> None:
             first = max(0, start - PREFIX_LINES)
             for c in cursors(path, start, n):
                 infill = Infill("".join(s + "\n" for s in lines[first:c.line]),
-                                "\n".join([lines[c.line][c.col:], *lines[c.line + 1:c.line + 1 + SUFFIX_LINES]]) + "\n",
-                                c.typed)
+                                "\n".join(["", *lines[c.line + 1:c.line + 1 + SUFFIX_LINES]]) + "\n", c.typed)
                 row = {"where": f"{path.name}:{c.line + 1}:{c.col}", "real": c.real}
                 for slot, (layout, fim) in enumerate(prompts.items()):
                     tokens, _, _ = fim.tokens(infill)

@@ -61,3 +61,7 @@ class TranscriptError(EdgespecError):
 
 class OutOfMemoryError(EdgespecError):
     """The target does not fit the memory budget; the message gives the numbers."""
+
+
+class WorkerError(EdgespecError):
+    """An RPC worker that cannot be reached, does not answer, or was lost; the message names it."""

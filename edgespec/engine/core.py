@@ -214,7 +214,8 @@ class Engine:
                       slot: int | None = None, cache_reuse: int = 0, layout: str = "prefix") -> InfillPrompt:
         """A fill-in-the-middle prompt leaving `max_tokens` of room: sized for `budget_seconds` of prompt evaluation
         against what the slot holds, or as llama.cpp sizes it (engine.infill)."""
-        return infill_prompt(self, infill, max_tokens, budget_seconds, slot, cache_reuse, layout)
+        return infill_prompt(self.target, self.slots, self.prompt_rate, infill, max_tokens, budget_seconds, slot,
+                             cache_reuse, layout)
 
     def check_fits(self, prompt: Sequence[int], prompt_name: str = "the prompt") -> None:
         """Raise ContextOverflowError, with the numbers, unless the prompt leaves room for one token; `prompt_name`

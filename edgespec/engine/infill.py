@@ -11,14 +11,13 @@ the next request can take more.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
+from edgespec.backend import Model
 from edgespec.decoding import reuse
+from edgespec.decoding.costs import PromptRate
 from edgespec.engine.slots import Slot
 from edgespec.prompts.fim import FimPrompt, Infill, Kept
-
-if TYPE_CHECKING:
-    from edgespec.engine.core import Engine
 
 WIDEN_LINES_STEP = 4  # of fim.FIT_STEPS: each background step adds 1/16 of the lines on each side
 
@@ -34,31 +33,32 @@ class InfillPrompt:
     widening: Callable[[], Iterator[list[int]]] = field(default=lambda: iter(()))
 
 
-def infill_prompt(engine: Engine, infill: Infill, max_tokens: int, budget_seconds: float | None = None,
-                  slot: int | None = None, cache_reuse: int = 0, layout: str = "prefix") -> InfillPrompt:
-    """The FIM prompt for `infill` that leaves `max_tokens` of room, sized for `budget_seconds` of prompt evaluation
-    (None: as llama.cpp sizes it), in `slot` or else the free slot that can reuse most of it."""
-    m = engine.target
+def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Infill, max_tokens: int,
+                  budget_seconds: float | None = None, slot: int | None = None, cache_reuse: int = 0,
+                  layout: str = "prefix") -> InfillPrompt:
+    """The FIM prompt for `infill` on target `m` that leaves `max_tokens` of room, sized for `budget_seconds` of
+    prompt evaluation at `rate` (None: as llama.cpp sizes it), in `slot` or else the free slot that can reuse most
+    of it."""
     fim = FimPrompt(m.vocab, lambda text: m.tokenize(text, add_special=False, parse_special=False), layout)
-    room = engine.n_ctx - max_tokens
+    room = m.n_ctx - max_tokens
 
     def new_tokens(s: Slot, tokens: list[int]) -> int:
         return reuse.plan(list(s.cache.tokens), tokens, cache_reuse if s.cache.can_shift else 0).new
 
-    budget = engine.prompt_rate.tokens_within(budget_seconds) if budget_seconds is not None else None
+    budget = rate.tokens_within(budget_seconds) if budget_seconds is not None else None
     if budget is None:
-        tokens, kept = fim.llama_cpp_sizes(infill, m.n_batch, engine.n_ctx, max_tokens)
-        chosen = _slot_for(engine.slots, slot, lambda s: new_tokens(s, tokens))
-        return InfillPrompt(tokens, kept, chosen, new_tokens(engine.slots[chosen], tokens), None)
+        tokens, kept = fim.llama_cpp_sizes(infill, m.n_batch, m.n_ctx, max_tokens)
+        chosen = _slot_for(slots, slot, lambda s: new_tokens(s, tokens))
+        return InfillPrompt(tokens, kept, chosen, new_tokens(slots[chosen], tokens), None)
     widest = fim.fit(infill, room).tokens
-    chosen = _slot_for(engine.slots, slot, lambda s: new_tokens(s, widest))
-    target = engine.slots[chosen]
+    chosen = _slot_for(slots, slot, lambda s: new_tokens(s, widest))
+    target = slots[chosen]
     fitted = fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t))
     return InfillPrompt(fitted.tokens, fitted.kept, chosen, new_tokens(target, fitted.tokens), budget,
                         lambda: fim.widening(infill, room, fitted, WIDEN_LINES_STEP))
 
 
-def _slot_for(slots: list[Slot], wanted: int | None, cost: Callable[[Slot], int]) -> int:
+def _slot_for(slots: Sequence[Slot], wanted: int | None, cost: Callable[[Slot], int]) -> int:
     """`wanted` (modulo the slot count), else the free slot (any slot when all are busy) where the prompt costs
     least, the least recently used among equals."""
     if wanted is not None and wanted >= 0:

@@ -17,6 +17,7 @@ import os
 import re
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -90,6 +91,30 @@ def shared_library(name: str) -> ctypes.CDLL:
     return load_shared_library(name, Path(llama_cpp.__file__).parent / "lib")
 
 
+@dataclass(frozen=True)
+class RemoteLayers:
+    """The target's last layers on other devices (RPC workers), in order: `layers[i]` units on `devices[i]`; the
+    other units stay on this machine's CPU, and the last device computes the output layer."""
+
+    devices: tuple[int, ...]  # ggml_backend_dev_t, as devices.rpc_devices gives them
+    layers: tuple[int, ...]
+
+    def apply(self, mparams: llama_cpp.llama_model_params) -> tuple:
+        devices = (ctypes.c_void_p * (len(self.devices) + 1))(*self.devices, None)
+        split = (ctypes.c_float * llama_cpp.llama_max_devices())(*map(float, self.layers))
+        mparams.devices = ctypes.cast(devices, ctypes.c_void_p).value
+        mparams.tensor_split = split
+        mparams.split_mode = llama_cpp.LLAMA_SPLIT_MODE_LAYER
+        mparams.n_gpu_layers = sum(self.layers)
+        mparams.use_extra_bufts = False  # the workers do not repack either: the same kernels on both sides
+        return devices, split
+
+
+def supports_rpc() -> bool:
+    """Whether the installed llama.cpp was built with RPC (CMAKE_ARGS=\"-DGGML_RPC=on\")."""
+    return bool(llama_cpp.llama_supports_rpc())
+
+
 def _context_params(cfg: LoadConfig, parks: int) -> llama_cpp.llama_context_params:
     cparams = llama_cpp.llama_context_default_params()
     cparams.n_ctx = (cfg.n_ctx or DEFAULT_N_CTX) * cfg.n_seq
@@ -122,8 +147,8 @@ class FirstSequence:
         return self.sequences[0].decode(tokens, n_outputs)
 
     def evaluate(self, prompt: Sequence[int], runs: Sequence[tuple[int, int, int]] = (), n_outputs: int = 1,
-                 stop: Callable[[], bool] | None = None) -> np.ndarray | None:
-        return self.sequences[0].evaluate(prompt, runs, n_outputs, stop)
+                 stop: Callable[[], bool] | None = None, step: int | None = None) -> np.ndarray | None:
+        return self.sequences[0].evaluate(prompt, runs, n_outputs, stop, step)
 
     def trim(self, n_keep: int) -> int:
         return self.sequences[0].trim(n_keep)
@@ -136,9 +161,15 @@ class FirstSequence:
 
 
 class Model(FirstSequence):
-    """A loaded GGUF and its one-sequence KV cache."""
+    """A loaded GGUF and its one-sequence KV cache.
 
-    def __init__(self, path: str | Path, cfg: LoadConfig | None = None, *, facts_only: bool = False) -> None:
+    `facts_only` maps the weights and makes no context (what tokenizing and grammars need, for a target that runs
+    in another process); `remote` places the last layers on ggml devices (RPC workers: devices.rpc_devices), the
+    first ones staying on this machine's CPU.
+    """
+
+    def __init__(self, path: str | Path, cfg: LoadConfig | None = None, *, facts_only: bool = False,
+                 remote: RemoteLayers | None = None) -> None:
         self.cfg = cfg = cfg or LoadConfig()
         self.path = path = Path(path)
         check_gguf_file(path)
@@ -148,8 +179,10 @@ class Model(FirstSequence):
             mparams.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE  # read into memory; the default maps the file
         if facts_only:
             mparams.use_extra_bufts = False  # no repacking of weights that will not run
+        keep = remote.apply(mparams) if remote is not None else None  # the arrays live until the load returns
         _recent_errors.clear()
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
+        del keep
         if not self._model:
             raise InvalidModelError(
                 f"llama.cpp could not load {path} ({_first_error()}); the file is truncated, corrupt or of an "
@@ -261,19 +294,10 @@ class Model(FirstSequence):
 
     def _read_vocab(self) -> Vocab:
         v = self._vocab_p
-        return Vocab(
-            n_tokens=int(llama_cpp.llama_vocab_n_tokens(v)),
-            type=int(llama_cpp.llama_vocab_type(v)),
-            bos=_token(llama_cpp.llama_vocab_bos(v)),
-            eos=_token(llama_cpp.llama_vocab_eos(v)),
-            add_bos=bool(llama_cpp.llama_vocab_get_add_bos(v)),
-            fim_pre=_token(llama_cpp.llama_vocab_fim_pre(v)),
-            fim_suf=_token(llama_cpp.llama_vocab_fim_suf(v)),
-            fim_mid=_token(llama_cpp.llama_vocab_fim_mid(v)),
-            fim_pad=_token(llama_cpp.llama_vocab_fim_pad(v)),
-            fim_rep=_token(llama_cpp.llama_vocab_fim_rep(v)),
-            fim_sep=_token(llama_cpp.llama_vocab_fim_sep(v)),
-        )
+        special = {name: _token(getattr(llama_cpp, f"llama_vocab_{name}")(v))
+                   for name in ("bos", "eos", "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")}
+        return Vocab(n_tokens=int(llama_cpp.llama_vocab_n_tokens(v)), type=int(llama_cpp.llama_vocab_type(v)),
+                     add_bos=bool(llama_cpp.llama_vocab_get_add_bos(v)), **special)
 
     def _read_facts(self) -> ModelFacts:
         m = self._model

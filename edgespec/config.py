@@ -223,8 +223,14 @@ class EngineConfig:
     # Keep a memory of what this engine wrote (memory.py, beside the model cache) and let auto propose from it.
     # On for local use; `edgespec serve` turns it on only for a loopback bind unless --memory says so.
     memory: bool = True
+    # llama.cpp RPC workers (host:port) that may hold the target's last layers; the proposer stays on this machine.
+    rpc: tuple[str, ...] = ()
+    rpc_layers: tuple[int, ...] | None = None  # layer units per worker; None: the plan's split
 
     def __post_init__(self) -> None:
+        if self.rpc_layers is not None and not self.rpc:
+            raise InvalidRequestError("--rpc-layers places layers on RPC workers; give the workers with --rpc "
+                                      "HOST:PORT,...")
         if self.proposer not in PROPOSERS:
             raise InvalidRequestError(f"unknown proposer {self.proposer!r}; use one of {', '.join(PROPOSERS)}")
         if self.proposer == "draft" and self.draft is None:

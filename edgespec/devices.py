@@ -10,6 +10,7 @@ import ctypes
 from dataclasses import dataclass
 
 from edgespec import backend
+from edgespec.errors import WorkerError
 
 
 @dataclass(frozen=True)
@@ -54,3 +55,64 @@ def devices() -> list[Device]:
                           dev.ggml_backend_dev_description(d).decode(errors="replace"),
                           _DEVICE_KINDS.get(dev.ggml_backend_dev_type(d), "other"), free.value, total.value))
     return out
+
+
+# -- llama.cpp's RPC backend: a worker serving this machine's device, and the devices of remote workers ----------
+
+_START = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
+                          ctypes.POINTER(ctypes.c_void_p))
+_ADD = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
+
+
+def require_rpc() -> None:
+    if not backend.supports_rpc():
+        raise WorkerError("the installed llama-cpp-python was built without RPC; reinstall it with "
+                          "CMAKE_ARGS=\"-DGGML_RPC=on\" pip install --no-cache-dir --force-reinstall "
+                          "llama-cpp-python==0.3.36")
+
+
+def _rpc(name: str, proto: type) -> ctypes._CFuncPtr:
+    """A function of ggml's RPC backend, found as llama.cpp's own tools find it: through the "RPC" registry."""
+    require_rpc()
+    reg, dev = _registry()
+    reg.ggml_backend_reg_by_name.restype, reg.ggml_backend_reg_by_name.argtypes = ctypes.c_void_p, [ctypes.c_char_p]
+    dev.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    dev.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    address = dev.ggml_backend_reg_get_proc_address(reg.ggml_backend_reg_by_name(b"RPC"), name.encode())
+    return proto(address)
+
+
+def device_handle(name: str | None) -> int:
+    """The ggml device a worker serves: `name` ("CPU", "CUDA0", ...), else the first GPU, else the CPU (as llama.cpp's
+    rpc-server picks)."""
+    reg, dev = _registry()
+    reg.ggml_backend_dev_by_name.restype, reg.ggml_backend_dev_by_name.argtypes = ctypes.c_void_p, [ctypes.c_char_p]
+    reg.ggml_backend_dev_by_type.restype, reg.ggml_backend_dev_by_type.argtypes = ctypes.c_void_p, [ctypes.c_int]
+    if name is not None:
+        handle = reg.ggml_backend_dev_by_name(name.encode())
+        if not handle:
+            known = ", ".join(d.name for d in devices())
+            raise WorkerError(f"device {name!r} is not one llama.cpp found here; use one of {known}")
+        return handle
+    gpus = [d.name for d in devices() if d.kind == "gpu" and not d.name.startswith("RPC")]
+    return reg.ggml_backend_dev_by_name(gpus[0].encode()) if gpus else reg.ggml_backend_dev_by_type(0)
+
+
+def serve_rpc(endpoint: str, device: int, threads: int, cache_dir: str | None) -> None:
+    """llama.cpp's RPC server on `endpoint` (an IPv4 address and port) for `device`; returns only if it failed."""
+    handles = (ctypes.c_void_p * 1)(device)
+    _rpc("ggml_backend_rpc_start_server", _START)(endpoint.encode(), cache_dir.encode() if cache_dir else None,
+                                                  threads, 1, handles)
+
+
+def rpc_devices(endpoint: str) -> tuple[int, ...]:
+    """The ggml devices of the worker at `endpoint` (which must answer: remote.probe asks it first), unregistered, so
+    that nothing but the model they are given to runs there."""
+    reg = _rpc("ggml_backend_rpc_add_server", _ADD)(endpoint.encode())
+    if not reg:
+        raise WorkerError(f"RPC worker {endpoint} serves no device; start it with `edgespec worker --device NAME`")
+    _, dev = _registry()
+    dev.ggml_backend_reg_dev_count.restype, dev.ggml_backend_reg_dev_count.argtypes = ctypes.c_size_t, [ctypes.c_void_p]
+    dev.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
+    dev.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return tuple(dev.ggml_backend_reg_dev_get(reg, i) for i in range(dev.ggml_backend_reg_dev_count(reg)))

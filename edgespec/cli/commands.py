@@ -13,7 +13,7 @@ import click
 from edgespec.cli.models import memory_group, models
 from edgespec.cli.options import (constraints, domain_errors, echo_stats, engine_config, engine_options,
                                   generation_config, layer_options, open_engine, options, progress_bar,
-                                  sampling_options, show_draft_option, source_option)
+                                  rpc_options, rpc_settings, sampling_options, show_draft_option, source_option)
 from edgespec.cli.terminal import print_stream, read_stdin
 from edgespec.cli.userconfig import settle
 from edgespec.config import (
@@ -192,32 +192,60 @@ def serve(host: str, port: int, api_keys: tuple[str, ...], cors_origins: tuple[s
 @options(*layer_options)
 @click.option("--threads", type=int, default=None,
               help="CPU threads [default: the config file's threads, else physical cores].")
+@options(*rpc_options)
 @click.option("--json", "as_json", is_flag=True)
 @source_option
 @domain_errors
 def plan_cmd(model: str | None, draft: str | None, draft_device: str, n_ctx: int | None, k: int | None,
              memory_budget: str | None, gpu_layers: int | None, draft_gpu_layers: int | None, threads: int | None,
-             as_json: bool, source: str | None) -> None:
-    """Show every layout of target and draft that fits this machine, its predicted speed, and the one chosen."""
-    from edgespec.planning.plan import plan_memory
+             rpc: str | None, rpc_layers: str | None, as_json: bool, source: str | None) -> None:
+    """Show every layout of target and draft that fits this machine (and its RPC workers), its predicted speed,
+    and the one chosen."""
     from edgespec.models import resolve
     from edgespec.onnx.files import is_onnx
+    from edgespec.planning.plan import plan_memory, plan_remote
 
     d = settle({"model": model, "draft": draft, "ctx": n_ctx, "threads": threads})
     model, draft = d.model, d.draft
     load = LoadConfig(n_ctx=d.ctx, n_gpu_layers=-1 if gpu_layers is None else gpu_layers,
                       n_threads=default_threads() if d.threads is None else d.threads)
+    endpoints, layers = rpc_settings(rpc, rpc_layers)
     config = EngineConfig(model, draft, k=k, load=load, source=source, draft_gpu_layers=draft_gpu_layers,
-                          memory_budget=parse_size(memory_budget) if memory_budget else None)
+                          memory_budget=parse_size(memory_budget) if memory_budget else None, rpc=endpoints,
+                          rpc_layers=layers)
     progress = progress_bar(not as_json)
-    p = plan_memory(resolve(model, source=source, progress=progress),
-                    None if not draft else Path(draft) if is_onnx(draft) else resolve(draft, source=source,
-                                                                                      progress=progress),
-                    config.load, config.k_max, config.memory_budget, draft_gpu_layers, draft_device=draft_device)
+    target = resolve(model, source=source, progress=progress)
+    links, spreads = plan_remote(target, endpoints, layers, load, config.memory_budget) if endpoints else ([], [])
+    share = spreads[0].local_units / (spreads[0].local_units + sum(spreads[0].worker_units)) if spreads else 1.0
+    p = plan_memory(target, None if not draft else Path(draft) if is_onnx(draft) else resolve(
+        draft, source=source, progress=progress), config.load, config.k_max, config.memory_budget, draft_gpu_layers,
+        draft_device=draft_device, local_share=share)
     if as_json:
-        click.echo(json.dumps(p.to_dict(), indent=2))
+        click.echo(json.dumps(p.to_dict() | _remote_dict(links, spreads), indent=2))
         return
+    _echo_remote(links, spreads)
     _echo_plan(p)
+
+
+def _remote_dict(links: list, spreads: list) -> dict[str, Any]:
+    if not links:
+        return {}
+    return {"rpc_workers": [{"endpoint": w.endpoint, "free_bytes": w.free_bytes, "rtt_ms": w.rtt_seconds * 1e3}
+                            for w in links],
+            "rpc_layouts": [{"layout": s.description, "local_layers": s.local_units,
+                             "worker_layers": list(s.worker_units),
+                             "predicted_tokens_per_second": round(s.tokens_per_second, 1)} for s in spreads]}
+
+
+def _echo_remote(links: list, spreads: list) -> None:
+    """The RPC workers and the ways to spread the target over them, fastest first (the first is taken)."""
+    for w in links:
+        click.echo(f"RPC worker {w.endpoint}: {w.free_bytes / 2**30:.2f} GiB free, round trip "
+                   f"{w.rtt_seconds * 1e3:.2f} ms")
+    for i, s in enumerate(spreads):
+        layers = ", ".join(f"{n} on {w.endpoint}" for n, w in zip(s.worker_units, links))
+        click.echo(f"{'*' if i == 0 else ' '}{s.description:<28} {s.local_units} layers here, {layers}: "
+                   f"{s.tokens_per_second:.1f} tok/s predicted")
 
 
 def _echo_plan(p: Any) -> None:
@@ -259,6 +287,27 @@ def info(as_json: bool) -> None:
                 click.echo(f"  {v}")
         else:
             click.echo(f"{key}: {value}")
+
+
+@cli.command()
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="IPv4 address to listen on; any other than 127.0.0.1 lets the network in, without authentication.")
+@click.option("--port", type=click.IntRange(1, 65535), default=50052, show_default=True)
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="CPU threads [default: the physical cores].")
+@click.option("--device", default=None,
+              help="The device to serve, as `edgespec info` names it (CPU, CUDA0, Metal...) [default: the first GPU, "
+                   "else the CPU].")
+@click.option("--cache", "cache_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Keep the weights sent here in this folder, so that a target loaded again sends only their "
+                   "hashes (llama.cpp's rpc-server -c).")
+@domain_errors
+def worker(host: str, port: int, threads: int | None, device: str | None, cache_dir: Path | None) -> None:
+    """Serve this machine's device to a target on another (`--rpc HOST:PORT` there): llama.cpp's RPC server, from
+    the llama-cpp-python edgespec installed, built with CMAKE_ARGS="-DGGML_RPC=on"."""
+    from edgespec.remote.worker import run
+
+    run(host, port, threads or default_threads(), device, cache_dir, say=lambda text: click.echo(text, err=True))
 
 
 cli.add_command(models)

@@ -35,6 +35,7 @@ from edgespec.errors import EdgespecError
 from edgespec.models import DEFAULT_MODEL, FetchProgress
 from edgespec.models.store import SOURCES
 from edgespec.planning.budget import parse_size
+from edgespec.remote.probe import parse_endpoints
 
 
 def domain_errors(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -99,6 +100,12 @@ engine_options = options(
     click.option("--memory/--no-memory", default=None,
                  help="Remember what edgespec writes (beside the model cache, readable by you alone) and speculate "
                       "from it in later requests [default: on; serve: on for a loopback --host only]."),
+    *(rpc_options := (
+        click.option("--rpc", "rpc", default=None, metavar="HOST:PORT,...",
+                     help="llama.cpp RPC workers (`edgespec worker` on other machines) that may hold the target's "
+                          "last layers; the proposer stays here."),
+        click.option("--rpc-layers", "rpc_layers", default=None, metavar="N,...",
+                     help="Layers of the target on each --rpc worker, in order [default: the plan's split]."))),
     click.option("-q", "--quiet", is_flag=True, help="No progress, notes or stats on stderr."),
     source_option,
 )
@@ -201,7 +208,8 @@ def engine_config(o: dict[str, Any], mmap: bool = True, n_seq: int = 1, memory: 
                                    mmap=mmap if o["mmap"] is None else o["mmap"], n_seq=n_seq,
                                    n_gpu_layers=-1 if o["gpu_layers"] is None else o["gpu_layers"]),
                         parse_size(o["memory_budget"]) if o["memory_budget"] else None, o["source"],
-                        o["draft_gpu_layers"], o["draft_device"], memory if o["memory"] is None else o["memory"])
+                        o["draft_gpu_layers"], o["draft_device"], memory if o["memory"] is None else o["memory"],
+                        *rpc_settings(o["rpc"], o["rpc_layers"]))
 
 
 def open_engine(o: dict[str, Any], config: EngineConfig | None = None):
@@ -225,3 +233,14 @@ def echo_stats(last: Any, quiet: bool) -> None:
     """The stats line of a finished stream on stderr, unless --quiet."""
     if not quiet and last is not None and last.stats is not None:
         click.echo(click.style(stats_line(last.stats, last.finish_reason), dim=True), err=True)
+
+
+def rpc_settings(rpc: str | None, layers: str | None) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
+    """--rpc and --rpc-layers as EngineConfig's fields."""
+    endpoints = parse_endpoints(rpc) if rpc else ()
+    if layers is None:
+        return endpoints, None
+    try:
+        return endpoints, tuple(int(n) for n in layers.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{layers!r} is not a list of layer counts, e.g. 12,13", param_hint="--rpc-layers")

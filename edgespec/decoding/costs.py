@@ -167,7 +167,7 @@ def calibrate(target, draft, k_max: int, cache_dir: Path, device: str = "cpu",
     """
     batches = tuple(b for b in CALIBRATION_BATCHES if b <= k_max + 1)
     t0 = time.perf_counter()
-    target_seconds = _measured_or_timed(target, batches, cache_dir, device, progress)
+    target_seconds = _measured_or_timed(target, batches, cache_dir, getattr(target, "device_key", device), progress)
     # An ONNX draft names its execution provider: its cost depends on that, not on llama.cpp's device.
     draft_cost = (_measured_or_timed(draft, (1,), cache_dir, getattr(draft, "device_key", device), progress)[0]
                   if draft is not None else None)

@@ -37,6 +37,7 @@ from edgespec.proposers.auto import AutoProposer
 from edgespec.proposers.draft import DraftProposer, check_compatible
 from edgespec.proposers.memory import MemoryProposer
 from edgespec.proposers.ngram import NgramProposer
+from edgespec.remote.target import RemoteTarget
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,9 @@ class Engine:
         self.plan, self.load_config, self._draft_layers = settled.plan, settled.load, settled.draft_layers
         self._dropped, draft_path = settled.dropped, settled.draft
         self.notes += settled.notes
-        self.target = self._load(settled.target, self.load_config)
+        self.remote = settled.remote  # the target's layers on RPC workers, when there are some: in a child process
+        self.target = self._load(settled.target, self.load_config) if self.remote is None else RemoteTarget(
+            settled.target, self.load_config, self.config.rpc, self.remote.worker_units)
         try:
             if (custom is not None or self.config.proposer != "none") and not self.target.can_trim:
                 raise UnsupportedModelError(

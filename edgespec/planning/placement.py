@@ -4,14 +4,18 @@ A decode pass reads every weight once, so a model's t(1) is the bytes each devic
 holds over that device's bandwidth, plus a launch cost per layer on a GPU; a batch
 of B costs t(1) times the device's batch curve. These are priors from published
 figures (docs/notes/published-gpu-figures.md) and this project's own measurements
-(FACTS.md); a calibration cached for the same files, layers and machine replaces
-them (costs.measured), and the calibration at load corrects what was chosen.
+(FACTS.md); a GPU measured by scripts/gpu_proof.py has its own curve in measured_curves.json,
+by the name llama.cpp gives it. A calibration cached for the same files, layers and machine
+replaces all of them (costs.measured), and the calibration at load corrects what was chosen.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
-from typing import Sequence
+from pathlib import Path
+from typing import Mapping, Sequence
 
 from edgespec.decoding.costs import CALIBRATION_BATCHES
 from edgespec.decoding.policy import Costs, choose_k
@@ -21,6 +25,8 @@ from edgespec.decoding.policy import Costs, choose_k
 CURVES = {"cpu": (1.0, 1.59, 2.51, 4.30, 4.93, 8.66, 15.9),
           "cuda": (1.0, 1.119, 1.331, 2.146),
           "metal": (1.0, 1.112, 1.405, 2.160)}
+# Curves measured on a named device (scripts/gpu_proof.py curves): {"devices": {name: {"batches", "ratio", ...}}}.
+MEASURED_CURVES = Path(__file__).with_name("measured_curves.json")
 CPU_BANDWIDTH = 40e9  # bytes/s: the 1.117 GB target decodes in 27.7 ms a token on this project's machines
 # Decoding reads weights at about 60% of a GPU's rated bandwidth (published tg of an 8B Q4_K_M on an
 # RTX 3090, RTX 4090 and M3 Max), and each layer adds about 110 us of launches (small models: TinyLlama
@@ -43,6 +49,32 @@ def gpu_bandwidth(kind: str, name: str) -> float:
     return 1e9 * (GPU_BANDWIDTH_GBS[key] if key else UNKNOWN_GPU_GBS.get(kind, 100))
 
 
+@functools.lru_cache(maxsize=4)
+def measured_curves(path: Path = MEASURED_CURVES) -> Mapping[str, tuple[float, ...]]:
+    """Device name (lower case) -> t(B)/t(1) at CALIBRATION_BATCHES, as far as measured; {} without the file."""
+    try:
+        devices = json.loads(path.read_text())["devices"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    out = {}
+    for name, entry in devices.items():
+        at = dict(zip(entry["batches"], entry["ratio"]))
+        curve = []
+        for b in CALIBRATION_BATCHES:  # the sizes the chooser considers, up to the first one not measured
+            if b not in at:
+                break
+            curve.append(float(at[b]))
+        if len(curve) >= 2:
+            out[name.strip().lower()] = tuple(curve)
+    return out
+
+
+def gpu_curve(kind: str, name: str = "", measured: Mapping[str, tuple[float, ...]] | None = None) -> tuple[float, ...]:
+    """t(B)/t(1) of the GPU called `name`: measured on that very device where one was, else published for its kind."""
+    known = measured_curves() if measured is None else measured
+    return known.get(name.strip().lower()) or CURVES.get(kind, CURVES["cuda"])
+
+
 @dataclass(frozen=True)
 class Split:
     """Bytes a model reads per pass on each side, and its layers on the GPU."""
@@ -52,9 +84,9 @@ class Split:
     gpu_layers: int
 
 
-def modelled_seconds(split: Split, device: str, bandwidth: float) -> tuple[float, ...]:
+def modelled_seconds(split: Split, device: str, bandwidth: float, gpu_name: str = "") -> tuple[float, ...]:
     """t(B) at CALIBRATION_BATCHES (as far as the curves of the sides it runs on go) of a model split as `split`."""
-    cpu, gpu = CURVES["cpu"], CURVES.get(device, CURVES["cuda"])
+    cpu, gpu = CURVES["cpu"], gpu_curve(device, gpu_name)
     out = []
     for i in range(min(len(cpu), len(gpu)) if split.gpu_layers else len(cpu)):
         t = split.host_bytes / CPU_BANDWIDTH * cpu[i]

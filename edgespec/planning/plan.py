@@ -12,7 +12,7 @@ from pathlib import Path
 from edgespec.backend import read_facts
 from edgespec.devices import devices
 from edgespec.gguf import ModelFacts
-from edgespec.config import EngineConfig, LoadConfig
+from edgespec.config import DEFAULT_N_CTX, EngineConfig, LoadConfig
 from edgespec.decoding import costs
 from edgespec.errors import EdgespecError, InvalidRequestError, OutOfMemoryError
 from edgespec.models import ProgressCallback, resolve
@@ -21,6 +21,8 @@ from edgespec.onnx.files import OnnxDraftFiles, is_onnx, locate
 from edgespec.paths import calibration_dir
 from edgespec.planning import budget
 from edgespec.planning.budget import ModelMemory, Plan
+from edgespec.planning.remote import Link, Spread, spreads
+from edgespec.remote import probe
 
 
 def memory_of(f: ModelFacts) -> ModelMemory:
@@ -30,13 +32,14 @@ def memory_of(f: ModelFacts) -> ModelMemory:
 
 def plan_memory(target: Path, draft: Path | None, load: LoadConfig, k_max: int,
                 memory_budget: int | None = None, draft_gpu_layers: int | None = None,
-                keep_draft: bool = False, draft_device: str = "auto") -> Plan:
+                keep_draft: bool = False, draft_device: str = "auto", local_share: float = 1.0) -> Plan:
     """How `target` (and `draft`) are laid out in the memory this machine has, or `memory_budget` bytes of it.
 
     Layouts are priced from calibrations cached on this machine where there are some, else modelled;
     `load.n_gpu_layers` (>= 0) and `draft_gpu_layers` fix the layers instead of letting the plan choose.
     An ONNX draft sits where its execution provider runs (`draft_device`) and is kept for calibration to
-    price: there is no modelled curve for onnxruntime.
+    price: there is no modelled curve for onnxruntime. `local_share`: the part of the target's weights this
+    machine holds when RPC workers hold the rest (plan_remote).
     """
     facts = read_facts(target)
     found = devices()
@@ -72,7 +75,9 @@ def plan_memory(target: Path, draft: Path | None, load: LoadConfig, k_max: int,
             return costs.measured(calibration_dir(), path, 0, load, draft_key)
         return costs.measured(calibration_dir(), path, layers, load, b.gpu_name or "cpu")
 
-    p = budget.plan(memory_of(facts), draft_mem, b,
+    target_mem = memory_of(facts)
+    target_mem = replace(target_mem, weights_bytes=int(target_mem.weights_bytes * local_share))
+    p = budget.plan(target_mem, draft_mem, b,
                     n_ctx=load.n_ctx, k_max=k_max, n_ubatch=load.n_batch, n_seq=load.n_seq,
                     target_gpu_layers=load.n_gpu_layers if load.n_gpu_layers >= 0 else None,
                     draft_gpu_layers=draft_gpu_layers, measured=measured, keep_draft=keep_draft)
@@ -103,6 +108,20 @@ def gpu_short_error(plan: Plan, path: Path, n_gpu_layers: int, e: EdgespecError)
         f"--gpu-layers N with fewer layers (or --memory-budget)")
 
 
+def plan_remote(target: Path, endpoints: tuple[str, ...], fixed: tuple[int, ...] | None, load: LoadConfig,
+                memory_budget: int | None = None) -> tuple[list[Link], list[Spread]]:
+    """The RPC workers, asked first (one clear error for one that does not answer), and every way to spread the
+    target over this machine and them that fits, fastest first (planning.remote)."""
+    links = [Link(w.endpoint, w.free_bytes, w.rtt_seconds) for w in probe.probe_all(endpoints)]
+    mem = memory_of(read_facts(target))
+    b = budget.detect_budget(devices(), memory_budget)
+    n_ctx = load.n_ctx or min(mem.n_ctx_train, DEFAULT_N_CTX)
+    reserve = mem.kv_bytes_per_token() * n_ctx * load.n_seq + mem.compute_bytes(load.n_batch)
+    local_free = max(0, int(b.ram_bytes * budget.HEADROOM) - reserve)
+    return links, spreads(mem.units, mem.weights_bytes / mem.units, local_free, links, mem.n_embd, mem.n_vocab,
+                          fixed)
+
+
 @dataclass(frozen=True)
 class Settled:
     """What an engine loads and where, once the models are found and the memory planned."""
@@ -114,6 +133,7 @@ class Settled:
     notes: list[str]  # what a person should hear of it
     load: LoadConfig  # the target's, with the plan's context and layers
     draft_layers: int
+    remote: Spread | None = None  # the target's layers on RPC workers, when they run there
 
 
 def settle(cfg: EngineConfig, progress: ProgressCallback | None = None) -> Settled:
@@ -125,9 +145,13 @@ def settle(cfg: EngineConfig, progress: ProgressCallback | None = None) -> Settl
     target_path = resolve(cfg.model, source=cfg.source, progress=progress)
     draft_path = None if draft is None else Path(draft) if is_onnx(draft) else resolve(
         draft, source=cfg.source, progress=progress)
-    dropped = None
+    dropped, remote, share = None, None, 1.0
+    if cfg.rpc:
+        remote, note = _remote_choice(target_path, cfg)
+        notes.append(note)
+        share = remote.local_units / (remote.local_units + sum(remote.worker_units)) if remote else 1.0
     plan = plan_memory(target_path, draft_path, cfg.load, cfg.k_max, cfg.memory_budget, cfg.draft_gpu_layers,
-                       keep_draft=cfg.proposer == "draft", draft_device=cfg.draft_device)
+                       keep_draft=cfg.proposer == "draft", draft_device=cfg.draft_device, local_share=share)
     notes += plan.notes
     if draft_path is not None and not plan.load_draft:
         if cfg.proposer == "draft":
@@ -137,4 +161,18 @@ def settle(cfg: EngineConfig, progress: ProgressCallback | None = None) -> Settl
         notes.append(f"layout on {plan.budget.gpu_name or plan.budget.device}: {plan.chosen.description} "
                      f"({plan.reason})")
     load = replace(cfg.load, n_ctx=plan.n_ctx, n_gpu_layers=plan.target_gpu_layers)
-    return Settled(target_path, draft_path, dropped, plan, notes, load, plan.draft_gpu_layers)
+    return Settled(target_path, draft_path, dropped, plan, notes, load, plan.draft_gpu_layers, remote)
+
+
+def _remote_choice(target: Path, cfg: EngineConfig) -> tuple[Spread | None, str]:
+    """The fastest spread over this machine and the RPC workers, and what a person should hear of it."""
+    links, options = plan_remote(target, cfg.rpc, cfg.rpc_layers, cfg.load, cfg.memory_budget)
+    best = options[0]
+    workers = ", ".join(f"{link.endpoint} ({link.free_bytes / 2**30:.1f} GiB free, {link.rtt_seconds * 1e3:.2f} ms)"
+                        for link in links)
+    if not best.remote:
+        return None, (f"RPC workers {workers} not used: the target runs faster on this machine alone "
+                      f"(predicted {best.tokens_per_second:.1f} tok/s); --rpc-layers N,... spreads it anyway")
+    layers = ", ".join(f"{n} on {link.endpoint}" for n, link in zip(best.worker_units, links))
+    return best, (f"target spread {best.description}: {best.local_units} layers here, {layers} (workers {workers}; "
+                  f"predicted {best.tokens_per_second:.1f} tok/s before speculation)")

@@ -177,8 +177,8 @@ class Model(FirstSequence):
         mparams.n_gpu_layers = cfg.n_gpu_layers if cfg.n_gpu_layers >= 0 else 999
         if not (cfg.mmap or facts_only):
             mparams.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE  # read into memory; the default maps the file
-        if facts_only:
-            mparams.use_extra_bufts = False  # no repacking of weights that will not run
+        if facts_only or not cfg.repack:
+            mparams.use_extra_bufts = False  # no repacking (of weights that will not run)
         keep = remote.apply(mparams) if remote is not None else None  # the arrays live until the load returns
         _recent_errors.clear()
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)

@@ -82,6 +82,9 @@ class LoadConfig:
     # Map the weights from the file (llama.cpp's default) or read them into memory. A mapped file that is
     # overwritten in place (truncated) kills the process with SIGBUS; a long-running server reads instead.
     mmap: bool = True
+    # llama.cpp repacks quantized weights for this CPU's fastest kernels; RPC workers do not, so a run compared
+    # token for token with one over workers turns it off.
+    repack: bool = True
 
     def __post_init__(self) -> None:
         if self.n_ctx is not None and self.n_ctx < 16:

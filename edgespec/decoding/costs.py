@@ -252,7 +252,7 @@ def _cache_path(cache_dir: Path, path: Path, gpu_layers: int, load, device: str)
     parts = [platform.machine(), str(os.cpu_count()), cpu_model(), device, str(spec.origin if spec else ""),
              str(path.resolve()),
              str(st.st_size if st else 0), str(int(st.st_mtime) if st else 0), str(gpu_layers), str(load.n_threads),
-             load.flash_attn]
+             load.flash_attn, *([] if getattr(load, "repack", True) else ["no-repack"])]
     return cache_dir / f"{hashlib.sha256('|'.join(parts).encode()).hexdigest()[:24]}.json"
 
 

@@ -49,9 +49,13 @@ def gpu_bandwidth(kind: str, name: str) -> float:
     return 1e9 * (GPU_BANDWIDTH_GBS[key] if key else UNKNOWN_GPU_GBS.get(kind, 100))
 
 
-@functools.lru_cache(maxsize=4)
-def measured_curves(path: Path = MEASURED_CURVES) -> Mapping[str, tuple[float, ...]]:
+def measured_curves(path: Path | None = None) -> Mapping[str, tuple[float, ...]]:
     """Device name (lower case) -> t(B)/t(1) at CALIBRATION_BATCHES, as far as measured; {} without the file."""
+    return _read_curves(path or MEASURED_CURVES)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_curves(path: Path) -> Mapping[str, tuple[float, ...]]:
     try:
         devices = json.loads(path.read_text())["devices"]
     except (OSError, ValueError, KeyError, TypeError):

@@ -63,8 +63,9 @@ class TooLarge(errors.EdgespecError):
     pass
 
 
-_STATUS = [(Unavailable, 503), (TooLarge, 413), (errors.InvalidRequestError, 400), (errors.ContextOverflowError, 400),
-           (errors.ChatTemplateError, 400), (errors.UnsupportedModelError, 400), (errors.EdgespecError, 500)]
+_STATUS = [(Unavailable, 503), (errors.WorkerError, 503), (TooLarge, 413), (errors.InvalidRequestError, 400),
+           (errors.ContextOverflowError, 400), (errors.ChatTemplateError, 400), (errors.UnsupportedModelError, 400),
+           (errors.EdgespecError, 500)]
 
 
 def error_response(status: int, message: str, kind: str) -> JSONResponse:

@@ -191,7 +191,8 @@ class Peer:
         t0 = time.perf_counter()
         r = httpx.post(self.url + "/infill", json=body, timeout=3600)
         seconds = time.perf_counter() - t0
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise RuntimeError(f"{self.name} answered {r.status_code}: {r.text[:300]}")
         data = r.json()
         return (data[0] if isinstance(data, list) else data), seconds
 

@@ -5,10 +5,10 @@
 
 `pack` gathers:
 - the llama-cpp-python sdist of the version installed here (pip download), trimmed of what no build reads
-  (its .git folder, llama.cpp's docs, benches, web UI and test vocabularies: 77 MB -> about 12 MB); the
-  manifest keeps the published sdist's sha256 and the list of what was left out (--full-sdist keeps it whole);
+  (its .git folder, llama.cpp's docs, benches, web UI and test vocabularies: 76.6 MB -> 9.8 MB); the
+  manifest keeps the published sdist's sha256 and what was left out (--full-sdist keeps it whole);
 - wheels the GPU image lacks (diskcache, which llama_cpp imports; gguf, which the ONNX export reads with),
-  and onnxruntime-gpu with --onnxruntime (a few hundred MB: many calls);
+  and onnxruntime-gpu with --onnxruntime (large: several calls);
 - the skeletons of the target and the draft GGUF (scripts/random_gguf.py skeleton: the header and tokenizer,
   a few MB), from which the GPU machine writes random weights of exactly the real layout.
 
@@ -312,7 +312,7 @@ def carry_note(out: Path) -> str | None:
         rel = out.resolve().relative_to(ROOT)
     except ValueError:
         return f"note: {out} is outside this checkout; the device tool carries ignored paths inside it (.cache/...)"
-    if subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", str(rel)]).returncode != 0:
+    if subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", str(rel)], check=False).returncode != 0:
         return f"note: git does not ignore {rel}: every call would send it with the tree; pack into .cache/gpu-kit"
     return None
 

@@ -77,6 +77,7 @@ class Run:
     threads: int
     check_scripts: list[Path] = field(default_factory=list)
     build_tools: bool = True
+    cmake_args: list[str] = field(default_factory=list)
 
     @property
     def mode(self) -> str:
@@ -223,8 +224,8 @@ def step_wheels(run: Run) -> dict:
 def cuda_architecture() -> str:
     """The GPU's compute capability as CMake wants it ("90" for an H100), else CMake's "native"."""
     try:
-        cap = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30).stdout.split()[0]
+        cap = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], check=False,
+                             capture_output=True, text=True, timeout=30).stdout.split()[0]
         return cap.replace(".", "")
     except (OSError, IndexError, subprocess.TimeoutExpired):
         return "native"
@@ -239,7 +240,7 @@ def source_tree(run: Run) -> Path:
         shutil.rmtree(dest, ignore_errors=True)
         dest.mkdir(parents=True)
         with tarfile.open(sdist) as t:
-            t.extractall(dest, filter="data") if sys.version_info >= (3, 12) else t.extractall(dest)
+            t.extractall(dest, filter="data")
         marker.touch()
     return next(p for p in dest.iterdir() if p.is_dir())
 
@@ -247,7 +248,7 @@ def source_tree(run: Run) -> Path:
 def installed_llama(run: Run) -> dict:
     code = "import importlib.metadata as m, importlib.util as u; print(m.version('llama-cpp-python')); " \
            "print(u.find_spec('llama_cpp').origin)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=run.env(),
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=run.env(),
                          cwd=run.neutral).stdout.split()
     return {"version": out[0], "location": out[1]} if len(out) == 2 else {"version": None, "location": None}
 
@@ -257,7 +258,7 @@ def step_llama(run: Run) -> dict:
         return {"status": "skipped", "reason": "--installed: the llama-cpp-python installed for this Python is used, "
                                                "not built from the kit's sdist"} | installed_llama(run)
     src = source_tree(run)
-    cmake_args = ["-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF"]  # edgespec loads no multimodal projector
+    cmake_args = ["-DLLAVA_BUILD=OFF", "-DLLAMA_BUILD_TESTS=OFF", *run.cmake_args]  # no multimodal projector
     if not run.cpu:
         cmake_args = ["-DGGML_CUDA=on", f"-DCMAKE_CUDA_ARCHITECTURES={cuda_architecture()}", *cmake_args]
     # Without network the build backend must be installed already (the GPU image has scikit-build-core).
@@ -329,8 +330,9 @@ def check_imports(run: Run) -> dict:
         ended["lib_outside_package"] = [p for p in libllama if not Path(p).is_relative_to(package)]
         if not run.installed:
             ended["from_site"] = Path(a["llama_cpp_file"]).is_relative_to(run.site)
-            if not ended["from_site"]:
-                ended["status"] = "failed"  # the new build is not what got imported
+            if not ended["from_site"]:  # the new build is not what got imported
+                ended["status"] = "failed"
+                ended["reason"] = f"imported {a['llama_cpp_file']}, not the build installed in {run.site}"
     return ended
 
 
@@ -344,7 +346,8 @@ def header_dirs(run: Run, version: str | None) -> tuple[list[Path], str] | None:
             return [tree / "include", tree / "ggml" / "include"], f"vendored tree {tree}"
     code = "import importlib.metadata as m; print(next(f.locate() for f in m.files('llama-cpp-python') " \
            "if str(f).endswith('include/llama.h')))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=run.env(), cwd=run.neutral)
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=run.env(),
+                         cwd=run.neutral)
     if out.returncode == 0 and Path(out.stdout.strip()).is_file():
         return [Path(out.stdout.strip()).parent], "headers installed with llama-cpp-python (no vendored tree here)"
     return None
@@ -372,7 +375,7 @@ def check_layout(run: Run) -> dict:
                                               str(c.with_suffix(""))], CHECK_SECONDS)
     if built["rc"] != 0:  # a field the binding names that the header lacks fails here: the answer is in the tail
         return {"status": "failed", "headers": source, "compile": built}
-    printed = subprocess.run([str(c.with_suffix(""))], capture_output=True, text=True, timeout=60).stdout
+    printed = subprocess.run([str(c.with_suffix(""))], check=False, capture_output=True, text=True, timeout=60).stdout
     c_side = dict(line.rsplit(" ", 1) for line in printed.splitlines())
     differ = []
     for struct, layout in layouts.items():
@@ -396,30 +399,30 @@ def load_check(gguf_path: Path, ngl: int = 0, no_mmap: bool = False, no_repack: 
 
 
 def completion_tool(run: Run) -> tuple[Path | None, str]:
-    """llama.cpp's own llama-completion, from the vendored tree; built for the CPU (a second CUDA build would
-    cost the call's time; the crash was seen in CPU-only builds too)."""
+    """llama.cpp's own llama-completion: built from the kit's vendored tree where there is one (the sources of the
+    library under test), for the CPU only (a second CUDA build would cost the call's time; the crash was seen in
+    CPU-only builds too); else one scripts/llama_tools.py built earlier."""
+    build = run.work / "build" / "tools"
+    built = build / "bin" / "llama-completion"
+    tree = run.work / "src"
+    vendored = next(tree.glob("*/vendor/llama.cpp"), None) if tree.is_dir() else None
+    if vendored is not None and run.build_tools and not built.is_file():
+        for step in (["cmake", "-S", str(vendored), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_CUDA=OFF",
+                      "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
+                     ["cmake", "--build", str(build), "-j", str(run.jobs), "--target", "llama-completion"]):
+            ended = isolated(run, "tools-build", step, BUILD_SECONDS)
+            if ended["rc"] != 0:
+                return None, f"building llama-completion failed: {' | '.join(ended['tail'][-5:])}"
+    if built.is_file():
+        return built, f"built by the kit from {vendored} (CPU only)"
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import llama_tools
 
-    built = run.work / "build" / "tools" / "bin" / "llama-completion"
-    if built.is_file():
-        return built, "built by the kit from the vendored tree (CPU only)"
     existing = llama_tools.tool("llama-completion", build=False)
     if existing is not None:
         return existing, f"built earlier by scripts/llama_tools.py ({existing})"
-    tree = run.work / "src"
-    vendored = next(tree.glob("*/vendor/llama.cpp"), None) if tree.is_dir() else None
-    if vendored is None or not run.build_tools:
-        why = "no vendored tree (the kit has no sdist)" if vendored is None else "--no-build-tools"
-        return None, f"llama-completion is not built here and {why}; scripts/llama_tools.py builds it"
-    build = run.work / "build" / "tools"
-    for step in (["cmake", "-S", str(vendored), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DGGML_CUDA=OFF",
-                  "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_SERVER=OFF"],
-                 ["cmake", "--build", str(build), "-j", str(run.jobs), "--target", "llama-completion"]):
-        ended = isolated(run, "tools-build", step, BUILD_SECONDS)
-        if ended["rc"] != 0:
-            return None, f"building llama-completion failed: {' | '.join(ended['tail'][-5:])}"
-    return built, "built by the kit from the vendored tree (CPU only)"
+    why = "--no-build-tools" if vendored is not None else "the kit's sdist is not unpacked here (--installed)"
+    return None, f"no llama-completion: {why}; scripts/llama_tools.py builds one"
 
 
 def completion_check(gguf_path: Path, load_mode: str) -> Callable:
@@ -490,7 +493,7 @@ def verdict(checks: dict[str, dict]) -> str:
     st = {name: c.get("status") for name, c in checks.items()}
     imports = checks.get("imports", {})
     if st.get("imports") != "ok":
-        where = imports.get("signal") or " | ".join(imports.get("tail", [])[-2:])
+        where = imports.get("reason") or imports.get("signal") or " | ".join(imports.get("tail", [])[-2:])
         return f"llama_cpp does not import cleanly from a neutral folder ({st.get('imports')}: {where})"
     notes = []
     if checks.get("layout", {}).get("differ"):
@@ -559,10 +562,9 @@ def step_timing(run: Run) -> dict:
             if done is None and role == "draft" and paths["draft"] == paths["target"]:
                 done = run.save(name, run.done(f"timing/target-{layout}") | {"same_file_as_target": True})
             if done is None:
-                batches = ",".join(map(str, BATCHES[run.mode]))
-                done = run.save(name, worker(run, name.replace("/", "-"), ["timing", str(path), "--layout", layout,
-                                                                            "--batches", batches, "--threads", str(run.threads),
-                                                                            *mmap_flag(run)]))
+                args = ["timing", str(path), "--layout", layout, "--batches", ",".join(map(str, BATCHES[run.mode])),
+                        "--threads", str(run.threads), *mmap_flag(run)]
+                done = run.save(name, worker(run, name.replace("/", "-"), args))
                 print(f"  timing {role} {layout}: {done['status']}", flush=True)
             units[f"{role}-{layout}"] = done
     basis = "full" if not run.cpu else "cpu"  # the layout the replay and the curves use
@@ -752,15 +754,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-script", type=Path, action="append", default=[],
                     help="a Python file to run as one more crash check (repeatable)")
     ap.add_argument("--no-build-tools", action="store_true", help="never build llama-completion")
+    ap.add_argument("--cmake-arg", action="append", default=[],
+                    help="one more CMake flag for the llama-cpp-python build, e.g. -DGGML_CUDA_FA=OFF (repeatable)")
     ap.add_argument("--redo", action="append", default=[], choices=[n for n, _ in STEPS],
                     help="forget a step's result and run it again (repeatable)")
     a = ap.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     threads = a.threads or default_threads()
     run = Run(a.kit.resolve(), a.out.resolve(), a.cpu, a.installed, time.monotonic() + a.deadline, a.jobs, threads,
-              a.check_script, not a.no_build_tools)
+              a.check_script, not a.no_build_tools, a.cmake_arg)
     code = proof(run, a.redo)
-    print({0: f"done: {run.out / 'results.json'}", 2: "waiting for parts of the kit (see above)",
+    print({0: f"done: {run.out / 'results.json'}", 2: "not finished: steps are waiting (see above)",
            3: "stopped at the deadline: run the same command again"}[code], flush=True)
     return code
 

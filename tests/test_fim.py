@@ -86,6 +86,11 @@ def test_widening_grows_outwards_and_ends_with_everything_that_fits():
     assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
 
 
+def test_a_budget_too_small_for_the_typed_text_still_sends_the_typed_text():
+    f = FimPrompt(PLAIN, chars).fit(Infill("a\n" * 5, "b\n" * 5, "x" * 50), room=1000, max_new=10)
+    assert f.tokens == [PRE, *chars("x" * 50), SUF, MID] and f.kept.cut
+
+
 def test_room_too_small_for_the_typed_text_is_a_clear_400():
     with pytest.raises(InvalidRequestError, match="shorter 'prompt'"):
         FimPrompt(PLAIN, chars).fit(Infill("a\n", "b\n", "x" * 50), room=20)

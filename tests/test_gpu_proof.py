@@ -21,8 +21,8 @@ CRASH_CHECKS = ("imports", "layout", "load-default", "load-no-mmap", "load-no-re
 
 
 def script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT)
+    return subprocess.run([sys.executable, *map(str, args)], check=False, capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +112,7 @@ def test_every_step_writes_its_result(proof):
         "k2", "k4", "k8", "auto"}
     onnx = step(proof, "onnx")["answer"]
     assert isinstance(onnx["per_token_ms"]["fp32 cpu"], float) and onnx["live"]["tokens"] > 0
-    (device, curve), = step(proof, "curves")["devices"].items()
+    (curve,) = step(proof, "curves")["devices"].values()
     assert curve["kind"] == "cpu" and curve["batches"] == timing["target"]["batches"]
 
 

@@ -26,7 +26,8 @@ def machine_info() -> dict[str, Any]:
         "machine": f"{platform.system()} {platform.machine()}, {psutil.cpu_count(logical=False)} cores "
                    f"({psutil.cpu_count()} threads)",
         "memory": f"{vm.total / GiB:.1f} GiB total, {vm.available / GiB:.1f} GiB available",
-        "llama.cpp backends": ", ".join(_backends(features)) + (" (GPU offload)" if backend.supports_gpu_offload() else ""),
+        "llama.cpp backends": ", ".join(_backends(features)) + (" (GPU offload)" if any(  # not RPC: no local GPU
+            d.kind in ("gpu", "igpu") and not d.name.startswith("RPC") for d in found) else ""),
         "devices": [f"{d.name}: {d.description} ({d.kind}), {d.free_bytes / GiB:.1f} GiB free of "
                     f"{d.total_bytes / GiB:.1f} GiB" for d in found] or ["none reported"],
         "llama.cpp features": features.strip(),

@@ -265,7 +265,8 @@ class Engine:
                     return
                 for chunk in generation.remembered(slot, prompt_tokens, memory,
                                                    generation.chunks(slot, prompt_tokens, run)):
-                    if (s := chunk.stats) is not None:
+                    # the rate of a whole prefill in full batches (a background one, in small batches, is slower)
+                    if (s := chunk.stats) is not None and chunk.finish_reason != "cancelled" and not config.prompt_batch:
                         self.prompt_rate.observe(s.prompt_tokens - s.cached_prompt_tokens, s.prefill_seconds)
                     yield chunk
         finally:

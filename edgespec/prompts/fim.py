@@ -133,10 +133,12 @@ class FimPrompt:
             return built if ok else None
 
         step, built = _largest(FIT_STEPS, lambda s: fits(_share(infill, s, 0)))
-        if built is None:
-            prompt = self.tokens(infill, Take(0, 0, 0))[0]
-            raise InvalidRequestError(f"the typed text and FIM tokens take {len(prompt)} tokens, more than the "
-                                      f"{room} available for the prompt; send a shorter 'prompt'")
+        if built is None:  # not even the typed text fits the budget: it goes alone, over it
+            built = self.tokens(infill, Take(0, 0, 0))
+            if len(built[0]) > room:
+                raise InvalidRequestError(f"the typed text and FIM tokens take {len(built[0])} tokens, more than the "
+                                          f"{room} available for the prompt; send a shorter 'prompt'")
+            return Fitted(built[0], self.kept(infill, built[1], built[2], 0), 0, 0)
         n_extra, with_extra = _largest(len(infill.extra), lambda e: fits(_share(infill, step, e)))
         prompt, pre, suf = with_extra or built
         return Fitted(prompt, self.kept(infill, pre, suf, n_extra), step, n_extra)

@@ -570,8 +570,8 @@ def step_timing(run: Run) -> dict:
     basis = "full" if not run.cpu else "cpu"  # the layout the replay and the curves use
     measured = {role: (units[f"{role}-{basis}"].get("answer")) for role in ("target", "draft")}
     ok = all(measured.values())
-    return {"status": "ok" if ok else "failed", "basis": basis, "units": units,
-            "target": measured["target"], "draft": measured["draft"]}
+    return {"status": "ok" if ok else "failed", "basis": basis, "loaded_without_mmap": bool(mmap_flag(run)),
+            "units": units, "target": measured["target"], "draft": measured["draft"]}
 
 
 def step_lockstep(run: Run) -> dict:

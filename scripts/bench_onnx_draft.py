@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import machine  # noqa: E402
 
-from edgespec import ort, placement  # noqa: E402
+from edgespec.onnx import runtime as ort  # noqa: E402
+from edgespec.planning import placement  # noqa: E402
 from edgespec.backend import Model  # noqa: E402
 from edgespec.devices import devices  # noqa: E402
 from edgespec.config import LoadConfig  # noqa: E402

@@ -48,7 +48,8 @@ import machine  # noqa: E402
 import replay_auto  # noqa: E402
 import workloads  # noqa: E402
 
-from edgespec import Engine, GenerationConfig, LoadConfig, costs  # noqa: E402
+from edgespec import Engine, GenerationConfig, LoadConfig  # noqa: E402
+from edgespec.decoding import costs  # noqa: E402
 from edgespec.config import MAX_K  # noqa: E402
 from edgespec.models import resolve  # noqa: E402
 

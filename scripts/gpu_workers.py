@@ -180,11 +180,6 @@ def cmd_timing(args: argparse.Namespace) -> dict:
 def lockstep_streams(streams: dict) -> dict:
     """bench_spec's harness: every stream one cycle at a time, the one furthest behind next, each timed over its
     own cycles only. {key: (stats, decode seconds, output tokens)}."""
-    import edgespec
-    from edgespec.decoding import costs
-
-    if not hasattr(edgespec, "costs"):  # bench_spec imports `costs` from the package top, as before the split
-        edgespec.costs = costs
     import bench_spec
 
     return bench_spec.lockstep_streams(streams)

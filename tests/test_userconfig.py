@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from edgespec.cli.commands import cli
 from edgespec.config import DEFAULT_MODEL, DEFAULT_PORT
 from edgespec.errors import ConfigError, FetchError, ModelNotFoundError
-from edgespec.models import hub, store
+from edgespec.models import hub, refs
 from edgespec.cli.userconfig import settle
 from edgespec.paths import config_path, history_path, user_dir
 
@@ -168,26 +168,26 @@ def fake_hub(monkeypatch, tmp_path):
 
 
 def test_resolve_pulls_an_hf_ref_with_its_quant(fake_hub, tmp_path):
-    assert store.resolve("hf:o/r:q4_1") == tmp_path / "m-Q4_1.gguf"  # case-insensitive
-    assert store.resolve("hf:o/r") == tmp_path / "m-Q4_K_M.gguf"  # the preferred quantization
-    assert store.resolve("hf:o/r:m-Q8_0.gguf") == tmp_path / "m-Q8_0.gguf"
+    assert refs.resolve("hf:o/r:q4_1") == tmp_path / "m-Q4_1.gguf"  # case-insensitive
+    assert refs.resolve("hf:o/r") == tmp_path / "m-Q4_K_M.gguf"  # the preferred quantization
+    assert refs.resolve("hf:o/r:m-Q8_0.gguf") == tmp_path / "m-Q8_0.gguf"
     assert fake_hub == [("o/r", "m-Q4_1.gguf", False), ("o/r", "m-Q4_K_M.gguf", False), ("o/r", "m-Q8_0.gguf", False)]
 
 
 def test_an_hf_quant_that_names_no_single_file_lists_them(fake_hub):
     with pytest.raises(FetchError, match=r"0 GGUF files of o/r match 'Q2_K'.*m-Q4_1.gguf"):
-        store.resolve("hf:o/r:Q2_K")
+        refs.resolve("hf:o/r:Q2_K")
     with pytest.raises(FetchError, match=r"2 GGUF files of o/r match 'Q4'"):
-        store.resolve("hf:o/r:Q4")
+        refs.resolve("hf:o/r:Q4")
 
 
 def test_offline_an_hf_ref_uses_the_files_already_cached(fake_hub, monkeypatch, tmp_path):
     monkeypatch.setattr(hub, "hub_reachable", lambda: False)
     monkeypatch.setattr(hub, "hub_cached_ggufs", lambda: [("o/r", "m-Q4_1.gguf", 1, tmp_path / "m-Q4_1.gguf")])
-    assert store.resolve("hf:o/r:Q4_1") == tmp_path / "m-Q4_1.gguf"
+    assert refs.resolve("hf:o/r:Q4_1") == tmp_path / "m-Q4_1.gguf"
     assert fake_hub == [("o/r", "m-Q4_1.gguf", True)]
     with pytest.raises(FetchError, match="no file of other/repo is in the Hugging Face cache"):
-        store.resolve("hf:other/repo")
+        refs.resolve("hf:other/repo")
 
 
 def test_generate_runs_an_hf_model(smollm_path, monkeypatch):

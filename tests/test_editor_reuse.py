@@ -40,14 +40,16 @@ def tokens(server, text: str) -> list[int]:
 
 
 def test_a_cold_request_with_a_budget_cuts_its_context_and_says_so(server):
-    """First, while the cache is cold: 100 ms buys a few dozen tokens, so most of 160 lines are cut and reported."""
+    """First, while the cache is cold: 300 ms buys a few dozen tokens, so most of 160 lines are cut and reported."""
     body = {"input_prefix": "".join(SOURCE), "input_suffix": "\n".join(SOURCE[:20]), "prompt": "    ",
-            "n_predict": 4, "temperature": 0, "t_max_prompt_ms": 100}
+            "n_predict": 4, "temperature": 0, "t_max_prompt_ms": 300}
     out = httpx.post(server.url + "/infill", json=body, timeout=300).json()
     assert out["truncated"] is True
     kept, given = out["infill"]["prefix_tokens"]
     assert 0 <= kept < given
-    assert out["timings"]["prompt_n"] <= out["infill"]["budget_tokens"] + 1
+    # within the budget, or (a slow machine) over it with the typed text and FIM tokens alone
+    within = out["timings"]["prompt_n"] <= out["infill"]["budget_tokens"] + 1
+    assert within or (kept == 0 and out["infill"]["suffix_tokens"][0] == 0), out
     # without a budget the same request is cut as llama.cpp cuts it: 3/4 of the batch for the prefix
     out = httpx.post(server.url + "/infill", json={**body, "t_max_prompt_ms": -1}, timeout=300).json()
     assert out["infill"]["budget_tokens"] is None and out["infill"]["prefix_tokens"][0] == 3 * 512 // 4

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_server import Server
 
 CLIENTS = Path(__file__).parent / "clients"
+CTX = 1024
 
 
 def requests_of(client: str) -> dict[str, dict]:
@@ -23,9 +24,11 @@ def requests_of(client: str) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def server(qwen_path):
-    # A ping interval shorter than a prefill, so that every client here also reads streams with keep-alives.
-    s = Server(qwen_path, "--ctx", "4096", "--slots", "2", "--sse-ping-interval", "0.05")
+def server(qwen_draft_path):
+    # A ping interval shorter than a prefill, so that every client here also reads streams with keep-alives; the
+    # 0.5B coder has the FIM tokens and the chat template the clients need. A small context, since Continue asks
+    # for 4096 tokens and the coder does not stop before the room runs out.
+    s = Server(qwen_draft_path, "--ctx", str(CTX), "--slots", "2", "--sse-ping-interval", "0.05")
     yield s
     s.stop()
 
@@ -79,8 +82,8 @@ def test_the_issues_infill_stops_at_the_dedent_and_the_time_cap(server):
 def test_llama_vscode_models_props_tokenize_template_and_three_completions(server):
     reqs = requests_of("llama_vscode")
     models = httpx.get(server.url + "/v1/models").json()["data"]
-    assert models[0]["owned_by"] == "llamacpp" and models[0]["meta"]["n_ctx"] == 4096  # so it asks /props
-    assert httpx.get(server.url + "/props").json()["default_generation_settings"]["n_ctx"] == 4096
+    assert models[0]["owned_by"] == "llamacpp" and models[0]["meta"]["n_ctx"] == CTX  # so it asks /props
+    assert httpx.get(server.url + "/props").json()["default_generation_settings"]["n_ctx"] == CTX
     tok = post(server, "/tokenize", reqs["tokenize"]["body"]).json()["tokens"]
     assert tok and all(isinstance(t, int) for t in tok)
     template = post(server, "/apply-template", reqs["apply_template"]["body"])
@@ -89,7 +92,7 @@ def test_llama_vscode_models_props_tokenize_template_and_three_completions(serve
     fim = reqs["fim"]["body"]
     out = post(server, "/infill", fim).json()
     assert isinstance(out, list) and len(out) == fim["n_cmpl"] and all("content" in o for o in out)
-    assert out[0]["generation_settings"]["n_ctx"] == 4096 and out[1]["tokens_cached"] > 0
+    assert out[0]["generation_settings"]["n_ctx"] == CTX and out[1]["tokens_cached"] > 0
 
 
 def test_continue_autocomplete_and_chat_with_max_tokens_4096(server):
@@ -174,5 +177,5 @@ def test_metrics_move_by_what_one_request_did(server):
 
 
 def test_a_long_prefill_streams_keep_alive_comments(server):
-    events, raw = sse(server, "/completion", {"prompt": "word " * 1500, "n_predict": 2, "stream": True})
+    events, raw = sse(server, "/completion", {"prompt": "word " * 600, "n_predict": 2, "stream": True})
     assert ": ping" in raw and events[-1]["stop"] is True

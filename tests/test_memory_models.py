@@ -27,9 +27,10 @@ CASES = [("code", t) for t in CODE] + [("chat", "Explain what a hash map is in t
                                        ("chat", "List three differences between TCP and UDP.")]
 
 
-def test_greedy_output_with_memory_is_the_targets_own(qwen_path, tmp_path, monkeypatch, capsys):
+def test_greedy_output_with_memory_is_the_targets_own(qwen_draft_path, tmp_path, monkeypatch, capsys):
+    """On the 0.5B coder as the target: the memory's bookkeeping does not depend on the model's size."""
     monkeypatch.setenv(MEMORY_ENV, str(tmp_path))
-    with Engine(EngineConfig(str(qwen_path), load=LOAD)) as engine:
+    with Engine(EngineConfig(str(qwen_draft_path), load=LOAD)) as engine:
         stats = []
         generate = engine.generate
 

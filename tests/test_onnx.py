@@ -86,8 +86,10 @@ def test_trim_then_regenerate_equals_fresh(exports):
         np.testing.assert_allclose(m.decode(prompt)[-1], fresh[0], atol=1e-4)
 
 
-def test_speculative_with_onnx_draft_is_lossless(qwen_path, exports):
-    with Engine(EngineConfig(str(qwen_path), str(exports["qwen-0.5b"]), "draft", 4, LOAD,
+def test_speculative_with_onnx_draft_is_lossless(qwen_draft_path, exports):
+    # The 0.5B GGUF as the target of its own ONNX export: the export's logits differ from llama.cpp's (see above),
+    # so it drafts wrong tokens too, and every rejection goes through the same rollback as with another model.
+    with Engine(EngineConfig(str(qwen_draft_path), str(exports["qwen-0.5b"]), "draft", 4, LOAD,
                              draft_device="cpu")) as e:
         cases = [("code", t) for t in CODE] + [("prose", t) for t in PROSE[:2]] + [("chat", t) for t in CHAT[:2]]
         exact, notes, _ = check_lossless(e, cases)

@@ -151,7 +151,11 @@ def test_llama_vim_infill(qwen_server):
     # since a one-token prefill and a whole-prompt batch run different kernels)
     again = httpx.post(qwen_server.url + "/infill", json=LLAMA_VIM_BODY, timeout=120).json()
     assert again["content"].strip()
-    assert again["tokens_cached"] == again["tokens_evaluated"] - 1 and again["timings"]["prompt_n"] == 1
+    assert again["tokens_cached"] > 0 and again["timings"]["prompt_n"] == again["tokens_evaluated"] - again["tokens_cached"]
+    if not out["truncated"]:  # the whole context fitted the budget the first time: only the last token is new
+        assert again["tokens_cached"] == again["tokens_evaluated"] - 1 and again["timings"]["prompt_n"] == 1
+    else:  # a slower CPU's budget cut it: the second prompt is wider, and what was evaluated the first time is kept
+        assert again["tokens_evaluated"] >= out["tokens_evaluated"]
     # llama.cpp's cache_prompt: false evaluates the whole prompt again
     fresh = httpx.post(qwen_server.url + "/infill", json=LLAMA_VIM_BODY | {"cache_prompt": False}, timeout=120).json()
     assert fresh["tokens_cached"] == 0 and fresh["timings"]["prompt_n"] == fresh["tokens_evaluated"]

@@ -53,8 +53,9 @@ def draft_engine(qwen_path, qwen_draft_path):
 
 
 @pytest.fixture(scope="module")
-def ngram_engine(qwen_path):
-    with Engine(qwen_path, proposer="ngram", k=8, load=LOAD) as e:
+def ngram_engine(qwen_draft_path):
+    # n-gram lookup needs no draft, so the smallest target of the family shows its losslessness
+    with Engine(qwen_draft_path, proposer="ngram", k=8, load=LOAD) as e:
         yield e
 
 
@@ -113,7 +114,7 @@ def test_greedy_output_equals_target_only(which, request, capsys):
     assert exact >= len(ALL_CASES) // 3
 
 
-def test_self_draft_rejects_only_at_near_ties(qwen_path, monkeypatch, capsys):
+def test_self_draft_rejects_only_at_near_ties(qwen_draft_path, monkeypatch, capsys):
     """The target as its own draft: every rejection must be a kernel flip at a near-tie.
 
     Single-token drafting and batched verification run different llama.cpp
@@ -135,7 +136,7 @@ def test_self_draft_rejects_only_at_near_ties(qwen_path, monkeypatch, capsys):
         return n, nxt
 
     monkeypatch.setattr(verify, "greedy", recording_greedy)
-    with Engine(qwen_path, draft=qwen_path, proposer="draft", k=4, load=LOAD) as e:
+    with Engine(qwen_draft_path, draft=qwen_draft_path, proposer="draft", k=4, load=LOAD) as e:
         drafted = accepted = 0
         for text in CODE[:3]:
             s = e.generate(text, GenerationConfig(max_tokens=96)).stats

@@ -67,8 +67,9 @@ SCHEMAS = {
 
 
 @pytest.fixture(scope="module")
-def engine(qwen_path):
-    with Engine(qwen_path, proposer="auto", load=LOAD) as e:
+def engine(qwen_draft_path):
+    # the 0.5B coder: the grammar inside verification does not depend on the target's size
+    with Engine(qwen_draft_path, proposer="auto", load=LOAD) as e:
         yield e
 
 
@@ -208,8 +209,8 @@ TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEA
 
 
 @pytest.fixture(scope="module")
-def server(qwen_path):
-    s = Server(qwen_path, "--ctx", "4096", "--slots", "1")
+def server(qwen_draft_path):
+    s = Server(qwen_draft_path, "--ctx", "4096", "--slots", "1")
     yield s
     s.stop()
 
@@ -267,7 +268,7 @@ def test_streamed_tool_calls_reach_the_openai_client(server):
 
 
 def test_tool_choice_auto_leaves_text_free_until_a_call_opens(server):
-    """Qwen2.5-Coder-1.5B answers these in a code block rather than opening a call: with auto, the lazy grammar
+    """Qwen2.5-Coder answers these in a code block rather than opening a call: with auto, the lazy grammar
     must leave that text exactly as without a grammar (the grammar after the tag is the one `required` uses)."""
     c = client(server)
     messages = [{"role": "user", "content": "What time is it in Tokyo (Asia/Tokyo)?"}]

@@ -207,3 +207,12 @@ def test_the_budget_is_the_first_gpu_device_llama_cpp_reports():
     assert detect_budget([cpu, cuda], override=4 * GiB).gpu_bytes == 4 * GiB
     only_cpu = detect_budget([cpu], override=6 * GiB)
     assert (only_cpu.device, only_cpu.gpu_bytes, only_cpu.ram_bytes) == ("cpu", 0, 6 * GiB)
+
+
+def test_a_target_whose_layers_all_sit_on_rpc_workers_plans_its_memory_here():
+    """plan_memory passes the local share of the weights: none when RPC workers hold every layer. The plan then
+    prices no speed here (planning.remote does) instead of dividing by a pass that reads nothing."""
+    from dataclasses import replace
+    remote_only = replace(QWEN_15B, weights_bytes=0)
+    p = plan(remote_only, QWEN_05B, Budget("cpu", 16 * GiB), n_ctx=4096)
+    assert p.load_draft and p.n_ctx == 4096

@@ -1,5 +1,6 @@
 """The memory planner on literal model facts: what fits, and which layout of the layers it takes."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -212,7 +213,6 @@ def test_the_budget_is_the_first_gpu_device_llama_cpp_reports():
 def test_a_target_whose_layers_all_sit_on_rpc_workers_plans_its_memory_here():
     """plan_memory passes the local share of the weights: none when RPC workers hold every layer. The plan then
     prices no speed here (planning.remote does) instead of dividing by a pass that reads nothing."""
-    from dataclasses import replace
     remote_only = replace(QWEN_15B, weights_bytes=0)
     p = plan(remote_only, QWEN_05B, Budget("cpu", 16 * GiB), n_ctx=4096)
     assert p.load_draft and p.n_ctx == 4096

@@ -107,9 +107,10 @@ def layout_costs(target: Sequence[float], draft: Sequence[float] | None) -> Cost
 
 def predicted_rate(costs: Costs, k_max: int, accept: float) -> tuple[float, int]:
     """(tokens per second, K) of the best cycle at `accept` per drafted token; plain decoding without a draft."""
-    if costs.verify_seconds(1) <= 0:  # no layer of the target here (all on RPC workers): planning.remote prices it
+    t1 = costs.verify_seconds(1)
+    if t1 <= 0:  # no layer of the target here (all on RPC workers): planning.remote prices it
         return 0.0, 0
     if costs.draft_seconds_per_token is None:
-        return 1.0 / costs.verify_seconds(1), 0
+        return 1.0 / t1, 0
     k, rate = choose_k(costs, [accept] * k_max, k_max, costs.draft_seconds_per_token)
     return rate, k

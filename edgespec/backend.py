@@ -424,9 +424,11 @@ class KVSequence:
 
         `runs` are the cached stretches to keep, (start in the prompt, start in the cache, length), in prompt order
         (decoding.reuse.plan): a run at (0, 0, n) is the common prefix, kept in place; the others move to their
-        start, which llama.cpp allows only where the cache can shift. Everything else is evaluated, in batches of
-        `step`. None when `stop` ended it early: the cache then holds the prompt evaluated up to there, followed by
-        the runs not reached yet (nothing it held and the prompt wants is lost).
+        start, which llama.cpp allows only where the cache can shift. All runs move before the first decode, so
+        llama.cpp re-rotates the keys once: a re-rotation covers every cell of the context, as dear as a pass over
+        a long prompt. Everything else is evaluated, in batches of `step`. None when `stop` ended it early: the
+        cache then holds the prompt evaluated up to there, followed by the runs not reached yet (nothing it held
+        and the prompt wants is lost).
         """
         runs = [r for r in runs if r[2] > 0]
         prefix = runs[0][2] if runs and runs[0][:2] == (0, 0) else 0
@@ -436,21 +438,23 @@ class KVSequence:
                                         f"at new positions; reuse only the prefix (n_cache_reuse 0)")
         if len(moved) > len(self.model._parks):
             raise ValueError(f"{len(moved)} moved runs, more than the {len(self.model._parks)} park sequences")
-        cached = list(self.tokens)
         pending = list(zip(moved, self.model._parks))
         self._keep_only(prefix, pending)
+        for (start, source, length), park in pending:  # each run where the prompt wants it, waiting in its park
+            if start != source:
+                llama_cpp.llama_memory_seq_add(self.model._mem, park, source, source + length, start - source)
         try:
             at = prefix
             while pending:
-                start, source, length = pending[0][0]
+                start, _, length = pending[0][0]
                 if start > at and self.decode(prompt[at:start], 0, stop, step) is None:
                     return None
-                self._unpark(pending.pop(0), cached)
+                self._unpark(pending.pop(0), prompt)
                 at = start + length
             return self.decode(prompt[at:], n_outputs, stop, step)
         finally:
             while pending:  # stopped or failed early: the runs still parked follow what was evaluated
-                self._unpark(pending.pop(0), cached)
+                self._unpark(pending.pop(0), prompt)
 
     def _keep_only(self, prefix: int, parked: Sequence[tuple[tuple[int, int, int], int]]) -> None:
         """Drop every cached entry but the prefix and the moved runs; move each run to its park sequence."""
@@ -468,16 +472,16 @@ class KVSequence:
         if (pos := self.pos_max()) != prefix - 1:
             raise EdgespecError(f"KV cache of {self.model.path.name} ends at {pos} after keeping {prefix} tokens")
 
-    def _unpark(self, parked: tuple[tuple[int, int, int], int], cached: Sequence[int]) -> None:
-        """Bring a parked run back right after the last cached position (llama.cpp re-rotates its keys before the
-        next decode)."""
-        (_, source, length), park = parked
-        mem, start = self.model._mem, self.n_past
-        if start != source:
-            llama_cpp.llama_memory_seq_add(mem, park, source, source + length, start - source)
-        llama_cpp.llama_memory_seq_cp(mem, park, self.seq_id, start, start + length)
+    def _unpark(self, parked: tuple[tuple[int, int, int], int], prompt: Sequence[int]) -> None:
+        """Join a parked run (already moved to its start in the prompt) to the sequence right after the last cached
+        position; when a stop left it further on, it moves back (llama.cpp re-rotates its keys once more)."""
+        (start, _, length), park = parked
+        mem, at = self.model._mem, self.n_past
+        if start != at:
+            llama_cpp.llama_memory_seq_add(mem, park, start, start + length, at - start)
+        llama_cpp.llama_memory_seq_cp(mem, park, self.seq_id, at, at + length)
         llama_cpp.llama_memory_seq_rm(mem, park, -1, -1)
-        self.tokens.extend(cached[source : source + length])
+        self.tokens.extend(prompt[start:start + length])
 
     def trim(self, n_keep: int) -> int:
         """Keep the first `n_keep` cached tokens, drop the rest; returns how many were dropped."""

@@ -48,6 +48,7 @@ LLAMA_TEMPERATURE = 0.8
 INFILL_CACHE_REUSE = 32
 FIM_LAYOUTS = ("prefix", "middle")  # where /infill puts the typed part of the cursor line (prompts.fim)
 DEFAULT_FIM_LAYOUT = "prefix"
+TIME_LIMIT_GRACE = 0.5  # seconds past GenerationConfig.time_limit that a line may run before it is cut
 # Tokens per batch of an evaluation nobody waits on (a warm-up): the next request preempts it within one batch.
 BACKGROUND_BATCH = 32
 # Cross-request memory (memory.py): the namespace of the machine's own user (CLI, Python API, a server without keys);
@@ -164,7 +165,8 @@ class GenerationConfig:
     # takes effect within one: background warm-ups use small ones.
     prompt_batch: int | None = None
     # llama.cpp's t_max_predict_ms, in seconds: once this much time has passed since the first token,
-    # the next token holding a newline ends the generation ("length"). For editors' completions.
+    # the next token holding a newline ends the generation ("length"); TIME_LIMIT_GRACE later any token ends it,
+    # since an editor waits on its answer, not on a line that runs on (llama.cpp waits for the newline).
     time_limit: float | None = None
     min_indent: int = 0  # llama.cpp's n_indent (text.IndentLimit)
     proposer: str | None = None  # this generation's proposer ("none" turns speculation off); None: the engine's

@@ -77,6 +77,10 @@ def test_the_issues_infill_stops_at_the_dedent_and_the_time_cap(server):
             "temperature": 0}
     out = post(server, "/completion", body).json()
     assert out["stop_type"] == "limit" and out["content"].endswith("\n") and out["tokens_predicted"] < 128, out
+    # a line that never ends: half a second past the limit any token ends it (llama.cpp would decode all 512)
+    body = {"prompt": "a " * 64, "n_predict": 512, "t_max_predict_ms": 1, "temperature": 0}
+    out = post(server, "/completion", body).json()
+    assert out["stop_type"] == "limit" and "\n" not in out["content"] and out["tokens_predicted"] < 512, out
 
 
 def test_llama_vscode_models_props_tokenize_template_and_three_completions(server):

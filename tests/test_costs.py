@@ -2,7 +2,7 @@
 
 import pytest
 
-from edgespec.decoding.costs import AcceptanceTracker, CostTracker
+from edgespec.decoding.costs import AcceptanceTracker, CostTracker, PromptRate
 from edgespec.decoding.policy import Costs
 
 # ../shared/FACTS.md: time of a batch of B tokens over a single-token pass, 2-core CPU.
@@ -112,3 +112,13 @@ def test_discount_lets_a_new_text_move_the_estimate_sooner():
     assert t._counts[1] == (4.0, 4.0)
     t.update(1, False), kept.update(1, False)
     assert t.get(1) < kept.get(1)  # one failure on the new text counts for more after the discount
+
+
+def test_prompt_rate_prices_new_tokens_on_the_calibrated_curve():
+    rate = PromptRate((1, 2, 4), (0.1, 0.15, 0.2))
+    assert rate.seconds(3) == pytest.approx(0.175)  # between the calibrated sizes
+    assert rate.seconds(9) == pytest.approx(0.2 + 0.2 + 0.1)  # full batches of the largest size, then the rest
+    assert rate.tokens_within(0.5) == 9 and rate.tokens_within(0.05) == 0
+    rate.observe(4, 0.4)  # prefills run twice the calibrated time: the scale moves towards 2
+    assert 1.0 < rate.scale < 2.0 and rate.tokens_within(0.5) < 9
+    assert PromptRate().tokens_within(0.5) is None  # nothing calibrated: no budget can be priced

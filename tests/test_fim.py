@@ -3,6 +3,7 @@ middle, and fitting whole lines to a budget of new tokens."""
 
 import pytest
 
+from edgespec.decoding import reuse
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
 from edgespec.gguf import Vocab
 from edgespec.prompts.fim import FimPrompt, Infill, Take
@@ -86,8 +87,29 @@ def test_widening_grows_outwards_and_ends_with_everything_that_fits():
     assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
 
 
-def test_a_budget_too_small_for_the_typed_text_still_sends_the_typed_text():
+def test_a_budget_below_the_nearest_lines_still_sends_them():
     f = FimPrompt(PLAIN, chars).fit(Infill("a\n" * 5, "b\n" * 5, "x" * 50), room=1000, max_new=10)
+    assert f.tokens == [PRE, *chars("a\n" * 2), *chars("x" * 50), SUF, *chars("b\n" * 2), MID] and f.kept.cut
+
+
+def test_a_line_over_the_budget_keeps_everything_cached_around_it():
+    """The cursor moved down a line: the line just written is new and costs more than the budget, but dropping it
+    would drop all the context the cache holds around it (the budget once fell to no context at all here)."""
+    ids: dict[str, int] = {}
+
+    def per_line(text: str) -> list[int]:  # a vocabulary of whole lines, so that only lines can match
+        return [ids.setdefault(line, len(ids)) for line in text.splitlines(keepends=True)]
+
+    fim = FimPrompt(PLAIN, per_line)
+    lines = [f"line {i:02d}\n" for i in range(300)]
+    cached = fim.tokens(Infill("".join(lines[:199]), "".join(lines[200:264])))[0]
+    moved = Infill("".join(lines[:200]), "".join(lines[201:265]))
+    f = fim.fit(moved, room=10_000, max_new=1, new_tokens=lambda t: reuse.plan(cached, t, 4).new)
+    assert not f.kept.cut
+
+
+def test_the_typed_text_alone_when_the_nearest_lines_do_not_fit_the_room():
+    f = FimPrompt(PLAIN, chars).fit(Infill("a\n" * 5, "b\n" * 5, "x" * 50), room=55, max_new=10)
     assert f.tokens == [PRE, *chars("x" * 50), SUF, MID] and f.kept.cut
 
 

@@ -87,26 +87,52 @@ class CostTracker:
 
 
 class PromptRate:
-    """Seconds to evaluate one prompt token in a batch: from the calibration's largest batch, then from every prefill
-    that evaluated enough tokens to say (a decayed mean, so it follows the context depth and the machine's load)."""
+    """Seconds to evaluate n new prompt tokens: the calibrated t(B) curve (B up to its largest batch, each batch
+    beyond at the largest's cost), scaled by what prefills actually took. A few new tokens cost far more per token
+    than a long prompt (a small batch runs slower kernels), and an editor's next request is a few new tokens."""
 
-    MIN_TOKENS = 16  # a prefill of fewer new tokens is mostly fixed costs: not a rate
+    def __init__(self, batches: Sequence[int] = (), seconds: Sequence[float] = (), decay: float = COST_DECAY) -> None:
+        self.batches, self.seconds_of = tuple(batches), tuple(seconds)
+        self.decay, self.scale = decay, 1.0
 
-    def __init__(self, seconds_per_token: float | None = None, decay: float = COST_DECAY) -> None:
-        self.seconds_per_token, self.decay = seconds_per_token, decay
+    @property
+    def known(self) -> bool:
+        return bool(self.batches)
+
+    def seconds(self, tokens: int) -> float:
+        """Predicted seconds for a prefill of `tokens` new tokens (0 for none)."""
+        if tokens <= 0 or not self.known:
+            return 0.0
+        b, t = self.batches, self.seconds_of
+        full, rest = divmod(tokens, b[-1])
+        return self.scale * (full * t[-1] + (_interpolate(b, t, rest) if rest else 0.0))
 
     def observe(self, tokens: int, seconds: float) -> None:
-        if tokens < self.MIN_TOKENS or seconds <= 0:
+        """A prefill of `tokens` new tokens took `seconds`: the scale follows it, at most 2x per observation."""
+        if tokens <= 0 or seconds <= 0 or not self.known:
             return
-        rate = seconds / tokens
-        old = self.seconds_per_token
-        self.seconds_per_token = rate if old is None else self.decay * old + (1 - self.decay) * rate
+        ratio = seconds / (self.seconds(tokens) / self.scale)
+        self.scale = self.decay * self.scale + (1 - self.decay) * min(max(ratio, self.scale / 2), self.scale * 2)
 
     def tokens_within(self, seconds: float) -> int | None:
-        """How many new prompt tokens fit in `seconds` (None while the rate is unknown)."""
-        if self.seconds_per_token is None:
+        """The most new prompt tokens predicted to fit in `seconds` (None while nothing is calibrated)."""
+        if not self.known:
             return None
-        return max(0, int(seconds / self.seconds_per_token))
+        per_batch = self.seconds(self.batches[-1])
+        n = self.batches[-1] * int(seconds // per_batch) if per_batch > 0 else 0
+        left = seconds - self.seconds(n)
+        # within one batch the curve is not monotonic (kernels switch with the size): the largest size that fits
+        return n + max((k for k in range(self.batches[-1]) if self.seconds(k) <= left + 1e-9), default=0)
+
+
+def _interpolate(xs: Sequence[int], ys: Sequence[float], x: int) -> float:
+    """ys at x, linear between the calibrated sizes (through the origin below the smallest)."""
+    lo_x, lo_y = 0, 0.0
+    for hx, hy in zip(xs, ys):
+        if x <= hx:
+            return lo_y + (hy - lo_y) * (x - lo_x) / (hx - lo_x)
+        lo_x, lo_y = hx, hy
+    return ys[-1] * x / xs[-1]
 
 
 class AcceptanceTracker:

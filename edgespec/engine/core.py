@@ -93,8 +93,8 @@ class Engine:
             raise
         self.slots = [Slot(cache, p) for cache, p in zip(self.target.sequences, proposers)]
         self.pool = SlotPool(self.slots)
-        c = self.costs  # the calibrated largest batch seeds the prompt evaluation rate; every prefill corrects it
-        self.prompt_rate = PromptRate(c.target_seconds[-1] / c.batches[-1] if c is not None else None)
+        c = self.costs  # the calibrated curve prices a prompt's new tokens; every prefill corrects its scale
+        self.prompt_rate = PromptRate(c.batches, c.target_seconds) if c is not None else PromptRate()
         if not self.target.can_shift:
             self.notes.append(f"{self.target.path.name} cannot shift its KV cache (sliding-window attention, or a "
                               f"recurrent state): a prompt is reused up to its first change only, whatever "
@@ -265,7 +265,7 @@ class Engine:
                     return
                 for chunk in generation.remembered(slot, prompt_tokens, memory,
                                                    generation.chunks(slot, prompt_tokens, run)):
-                    # the rate of a whole prefill in full batches (a background one, in small batches, is slower)
+                    # a prefill in the context's batches (a background one runs in small batches, at another rate)
                     if (s := chunk.stats) is not None and chunk.finish_reason != "cancelled" and not config.prompt_batch:
                         self.prompt_rate.observe(s.prompt_tokens - s.cached_prompt_tokens, s.prefill_seconds)
                     yield chunk

@@ -19,7 +19,7 @@ from edgespec.decoding.costs import PromptRate
 from edgespec.engine.slots import Slot
 from edgespec.prompts.fim import FimPrompt, Infill, Kept
 
-WIDEN_LINES_STEP = 4  # of fim.FIT_STEPS: each background step adds 1/16 of the lines on each side
+WIDEN_LINES_STEP = 4  # of fim.FIT_STEPS: a background step adds 1/64 of the lines a side, done within a pause
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,10 @@ from edgespec.gguf import Vocab
 # llama.cpp separates extra chunks this way when the model has no file separator token.
 CHUNK_SEPARATOR = "\n\n--- snippet ---\n\n"
 LAYOUTS = ("prefix", "middle")
-FIT_STEPS = 64  # resolution of the search over how many lines to keep
+FIT_STEPS = 256  # resolution of the search over how many lines to keep: a step is one line of a 256-line window
+# Lines on each side of the cursor a budget never leaves out: the one just written even when the nearest is blank,
+# and on the suffix side a line besides the rest of the cursor line.
+NEAR_LINES = 2
 T = TypeVar("T")
 
 
@@ -126,20 +129,24 @@ class FimPrompt:
     def fit(self, infill: Infill, room: int, max_new: int | None = None,
             new_tokens: Callable[[list[int]], int] = len) -> Fitted:
         """The widest prompt of at most `room` tokens of which at most `max_new` are new (`new_tokens` counts them
-        against what is cached): whole lines nearest the cursor first, then the latest extra chunks."""
-        def fits(take: Take) -> tuple[list[int], list[int], list[int]] | None:
+        against what is cached): whole lines nearest the cursor first, then the latest extra chunks. A budget below
+        the cost of the nearest lines (NEAR_LINES on each side) is raised to it: without them a completion is a
+        guess, and what the cache holds around them comes with them for free."""
+        def fits(take: Take, most: int | None) -> tuple[list[int], list[int], list[int]] | None:
             built = self.tokens(infill, take)
-            ok = len(built[0]) <= room and (max_new is None or new_tokens(built[0]) <= max_new)
+            ok = len(built[0]) <= room and (most is None or new_tokens(built[0]) <= most)
             return built if ok else None
 
-        step, built = _largest(FIT_STEPS, lambda s: fits(_share(infill, s, 0)))
-        if built is None:  # not even the typed text fits the budget: it goes alone, over it
-            built = self.tokens(infill, Take(0, 0, 0))
-            if len(built[0]) > room:
-                raise InvalidRequestError(f"the typed text and FIM tokens take {len(built[0])} tokens, more than the "
-                                          f"{room} available for the prompt; send a shorter 'prompt'")
+        if max_new is not None and (nearest := fits(Take(NEAR_LINES, NEAR_LINES, 0), None)) is not None:
+            max_new = max(max_new, new_tokens(nearest[0]))
+        step, built = _widest(FIT_STEPS, lambda s: fits(_share(infill, s, 0), max_new))
+        if built is None:  # not even the nearest lines fit the room: the typed text alone, over the budget
+            if (built := fits(Take(0, 0, 0), None)) is None:
+                raise InvalidRequestError(f"the typed text and FIM tokens take {len(self.tokens(infill, Take(0, 0, 0))[0])}"
+                                          f" tokens, more than the {room} available for the prompt; send a shorter "
+                                          f"'prompt'")
             return Fitted(built[0], self.kept(infill, built[1], built[2], 0), 0, 0)
-        n_extra, with_extra = _largest(len(infill.extra), lambda e: fits(_share(infill, step, e)))
+        n_extra, with_extra = _largest(len(infill.extra), lambda e: fits(_share(infill, step, e), max_new))
         prompt, pre, suf = with_extra or built
         return Fitted(prompt, self.kept(infill, pre, suf, n_extra), step, n_extra)
 
@@ -178,18 +185,34 @@ def _share(infill: Infill, step: int, extra: int | None) -> Take:
 
 
 def _largest(top: int, build: Callable[[int], T | None]) -> tuple[int, T | None]:
-    """The largest n in 0..top for which `build` gives something, and that (a binary search: more context never
-    costs less); (0, None) when even 0 gives nothing."""
+    """The largest n in 0..top for which `build` gives something, where more never costs less; (0, None) when
+    even 0 gives nothing."""
     if (full := build(top)) is not None:
         return top, full
-    lo, hi, found = 0, top - 1, (0, None)
+    return _bisect(0, top - 1, build, (0, None))
+
+
+def _widest(top: int, build: Callable[[int], T | None]) -> tuple[int, T | None]:
+    """As _largest where the cost of lines against the cache is not monotonic: a few lines that moved cost in full
+    (a run shorter than the reuse minimum), more of them cost nothing (a moved run, or the cached prompt's own
+    start). A coarse scan down from the top finds the highest feasible stretch, a binary search its end."""
+    above = top + 1
+    for n in sorted({*range(top, 0, -max(1, top // 16)), 8, 4, 2, 1, 0} & set(range(top + 1)), reverse=True):
+        if (found := build(n)) is not None:
+            return _bisect(n + 1, above - 1, build, (n, found))
+        above = n
+    return 0, None
+
+
+def _bisect(lo: int, hi: int, build: Callable[[int], T | None], best: tuple[int, T | None]) -> tuple[int, T | None]:
+    """The largest n in lo..hi that `build` accepts, taking acceptance as monotonic there; `best` when none."""
     while lo <= hi:
         mid = (lo + hi) // 2
         if (candidate := build(mid)) is not None:
-            lo, found = mid + 1, (mid, candidate)
+            lo, best = mid + 1, (mid, candidate)
         else:
             hi = mid - 1
-    return found
+    return best
 
 
 def _count(wanted: int | None, available: int) -> int:

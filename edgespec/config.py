@@ -43,12 +43,15 @@ OPENAI_TEMPERATURE = 1.0
 LLAMA_N_PREDICT = 128
 LLAMA_TEMPERATURE = 0.8
 # /infill reuses cached chunks of at least this many tokens at their new position unless the request or --cache-reuse
-# says otherwise; other routes reuse only a prefix. Small, because a context widened a few lines at a time (engine.infill)
-# moves the lines near the cursor as short chunks.
-INFILL_CACHE_REUSE = 32
+# says otherwise; other routes reuse only a prefix. Small, because the few lines kept around a moving cursor (engine.infill)
+# move as short chunks: the suffix's first lines, the prefix after a line was added.
+INFILL_CACHE_REUSE = 16
 FIM_LAYOUTS = ("prefix", "middle")  # where /infill puts the typed part of the cursor line (prompts.fim)
 DEFAULT_FIM_LAYOUT = "prefix"
 TIME_LIMIT_GRACE = 0.5  # seconds past GenerationConfig.time_limit that a line may run before it is cut
+# Seconds of quiet after an /infill answer before its cut context is widened in the background: while the user
+# types, the next request comes sooner and would pay for the widening's batch in flight and its moved cache.
+WIDEN_DELAY = 2.0
 # Tokens per batch of an evaluation nobody waits on (a warm-up): the next request preempts it within one batch.
 BACKGROUND_BATCH = 32
 # Cross-request memory (memory.py): the namespace of the machine's own user (CLI, Python API, a server without keys);

@@ -15,6 +15,7 @@ from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig
 from edgespec.backend import Model
 from edgespec.config import LoadConfig as Load
 from edgespec.decoding import reuse
+from edgespec.prompts.fim import NEAR_LINES
 
 SOURCE = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(80)]  # 80 two-line functions
 HEAD = "<|fim_prefix|>"
@@ -47,10 +48,18 @@ def test_a_cold_request_with_a_budget_cuts_its_context_and_says_so(server):
     assert out["truncated"] is True
     kept, given = out["infill"]["prefix_tokens"]
     assert 0 <= kept < given
-    # within the budget, or (a slow machine) over it with only the nearest lines: two before the cursor, one after
-    near = tokens(server, "".join(body["input_prefix"].splitlines(keepends=True)[-2:]) + body["prompt"] +
-                  body["input_suffix"].splitlines(keepends=True)[0])
+    # within the budget, or (a slow machine) over it with only the nearest lines: NEAR_LINES before the cursor and
+    # the suffix's in proportion (here at most 2)
+    near = tokens(server, "".join(body["input_prefix"].splitlines(keepends=True)[-NEAR_LINES:]) + body["prompt"] +
+                  "".join(body["input_suffix"].splitlines(keepends=True)[:2]))
     assert out["timings"]["prompt_n"] <= max(out["infill"]["budget_tokens"] + 1, len(near) + 16), out  # + FIM tokens
+    # asked again, it keeps what the cache now holds and spends its budget on more lines: the context widens (once
+    # the cached lines make a run long enough to move, INFILL_CACHE_REUSE tokens: so with a second wider budget)
+    wider = {**body, "t_max_prompt_ms": 1500}
+    first = httpx.post(server.url + "/infill", json=wider, timeout=300).json()
+    again = httpx.post(server.url + "/infill", json=wider, timeout=300).json()
+    if again["infill"]["budget_tokens"] >= 16:  # a line's worth at the least (not on a very slow machine)
+        assert again["infill"]["prefix_tokens"][0] > first["infill"]["prefix_tokens"][0], (first, again)
     # without a budget the same request is cut as llama.cpp cuts it: 3/4 of the batch for the prefix
     out = httpx.post(server.url + "/infill", json={**body, "t_max_prompt_ms": -1}, timeout=300).json()
     assert out["infill"]["budget_tokens"] is None and out["infill"]["prefix_tokens"][0] == 3 * 512 // 4
@@ -117,7 +126,9 @@ def test_llama_vim_speculative_request_costs_a_handful_of_prompt_tokens(server):
     assert line
     spec = httpx.post(server.url + "/infill", json={**fim, "prompt": fim["prompt"] + line,
                                                     "t_max_predict_ms": 1000}, timeout=300).json()
-    assert spec["timings"]["prompt_n"] <= len(tokens(server, line)) + 16
+    # all of it from the cache but the suggestion's tokens and the lines its budget added around the cursor
+    added = sum(spec["infill"][side][0] - first["infill"][side][0] for side in ("prefix_tokens", "suffix_tokens"))
+    assert spec["timings"]["prompt_n"] <= len(tokens(server, line)) + 16 + added, (first["infill"], spec["infill"])
 
 
 def test_a_request_preempts_a_warm_up_in_flight(server):

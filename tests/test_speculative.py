@@ -103,15 +103,16 @@ def check_lossless(engine: Engine, cases, n: int = N_TOKENS) -> tuple[int, list[
 ALL_CASES = [("code", t) for t in CODE] + [("prose", t) for t in PROSE] + [("chat", t) for t in CHAT]
 
 
-@pytest.mark.parametrize("which", ["draft_engine", "ngram_engine"])
-def test_greedy_output_equals_target_only(which, request, capsys):
+# The 1.5B target with its 0.5B draft takes two of each kind: each case costs it three times the n-gram engine's.
+@pytest.mark.parametrize("which,cases", [("draft_engine", ALL_CASES[::2]), ("ngram_engine", ALL_CASES)])
+def test_greedy_output_equals_target_only(which, cases, request, capsys):
     engine = request.getfixturevalue(which)
-    exact, notes, tie_share = check_lossless(engine, ALL_CASES)
+    exact, notes, tie_share = check_lossless(engine, cases)
     with capsys.disabled():
-        print(f"\n{which}: {exact}/{len(ALL_CASES)} prompts identical to target-only greedy output; "
+        print(f"\n{which}: {exact}/{len(cases)} prompts identical to target-only greedy output; "
               f"{tie_share:.1%} of target-only steps were near-ties (gap < {NEAR_TIE_GAP})"
               + "".join(f"\n  {n}" for n in notes))
-    assert exact >= len(ALL_CASES) // 3
+    assert exact >= len(cases) // 3
 
 
 def test_self_draft_rejects_only_at_near_ties(qwen_draft_path, monkeypatch, capsys):

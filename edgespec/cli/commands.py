@@ -143,7 +143,7 @@ def chat_cmd(system: str | None, interactive: bool | None, show_draft: bool, cac
               show_default=True, help="Seconds a stream may stay silent (a long prefill) before a ': ping' comment.")
 @click.option("--cache-reuse", "cache_reuse", type=click.IntRange(min=0), default=None,
               help="Reuse cached chunks of at least N tokens at their new position (KV shifting) on every route, "
-                   "as llama-server's --cache-reuse; 0 reuses only the common prefix [default: 32 on /infill, 0 "
+                   "as llama-server's --cache-reuse; 0 reuses only the common prefix [default: 16 on /infill, 0 "
                    "elsewhere]. Close to a fresh evaluation, not identical.")
 @click.option("--fim-layout", type=click.Choice(FIM_LAYOUTS), default=DEFAULT_FIM_LAYOUT, show_default=True,
               help="/infill: the typed part of the cursor line ends the prefix (llama.cpp's layout) or starts the "

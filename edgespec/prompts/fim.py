@@ -25,9 +25,9 @@ from edgespec.gguf import Vocab
 CHUNK_SEPARATOR = "\n\n--- snippet ---\n\n"
 LAYOUTS = ("prefix", "middle")
 FIT_STEPS = 256  # resolution of the search over how many lines to keep: a step is one line of a 256-line window
-# Lines on each side of the cursor a budget never leaves out: the one just written even when the nearest is blank,
-# and on the suffix side a line besides the rest of the cursor line.
-NEAR_LINES = 2
+# Lines before the cursor a budget never leaves out (and the suffix's lines in proportion). While the user types,
+# they slide with the cursor and cost only the line just written (the rest is cached, moved); a cold cache pays once.
+NEAR_LINES = 8
 T = TypeVar("T")
 
 
@@ -130,16 +130,32 @@ class FimPrompt:
             new_tokens: Callable[[list[int]], int] = len) -> Fitted:
         """The widest prompt of at most `room` tokens of which at most `max_new` are new (`new_tokens` counts them
         against what is cached): whole lines nearest the cursor first, then the latest extra chunks. A budget below
-        the cost of the nearest lines (NEAR_LINES on each side) is raised to it: without them a completion is a
+        the cost of the nearest lines (NEAR_LINES before the cursor) is raised to it: without them a completion is a
         guess, and what the cache holds around them comes with them for free."""
         def fits(take: Take, most: int | None) -> tuple[list[int], list[int], list[int]] | None:
             built = self.tokens(infill, take)
             ok = len(built[0]) <= room and (most is None or new_tokens(built[0]) <= most)
             return built if ok else None
 
-        if max_new is not None and (nearest := fits(Take(NEAR_LINES, NEAR_LINES, 0), None)) is not None:
-            max_new = max(max_new, new_tokens(nearest[0]))
-        step, built = _widest(FIT_STEPS, lambda s: fits(_share(infill, s, 0), max_new))
+        memo: dict[int, tuple[tuple[list[int], list[int], list[int]], int | None]] = {}
+
+        def lines(step: int) -> tuple[tuple[list[int], list[int], list[int]], int | None]:
+            """The prompt taking `step` of the lines, and its new tokens (None: over the room)."""
+            if step not in memo:
+                built = self.tokens(infill, _share(infill, step, 0))
+                memo[step] = built, new_tokens(built[0]) if len(built[0]) <= room else None
+            return memo[step]
+
+        near = _steps_for(NEAR_LINES, len(infill.prefix.splitlines()))
+        if max_new is not None:  # the nearest lines' cost, where they cost least: alone, or with what is cached
+            costs = [c for s in {near, *_grid(FIT_STEPS)} if s >= near and (c := lines(s)[1]) is not None]
+            max_new = max(max_new, min(costs, default=max_new))
+
+        def affordable(step: int) -> tuple[list[int], list[int], list[int]] | None:
+            built, cost = lines(step)
+            return built if cost is not None and (max_new is None or cost <= max_new) else None
+
+        step, built = _widest(FIT_STEPS, affordable, (near,) if max_new is not None else ())
         if built is None:  # not even the nearest lines fit the room: the typed text alone, over the budget
             if (built := fits(Take(0, 0, 0), None)) is None:
                 raise InvalidRequestError(f"the typed text and FIM tokens take {len(self.tokens(infill, Take(0, 0, 0))[0])}"
@@ -192,16 +208,30 @@ def _largest(top: int, build: Callable[[int], T | None]) -> tuple[int, T | None]
     return _bisect(0, top - 1, build, (0, None))
 
 
-def _widest(top: int, build: Callable[[int], T | None]) -> tuple[int, T | None]:
+def _widest(top: int, build: Callable[[int], T | None], also: Sequence[int] = ()) -> tuple[int, T | None]:
     """As _largest where the cost of lines against the cache is not monotonic: a few lines that moved cost in full
     (a run shorter than the reuse minimum), more of them cost nothing (a moved run, or the cached prompt's own
-    start). A coarse scan down from the top finds the highest feasible stretch, a binary search its end."""
+    start, a dip as narrow as a few lines). A coarse scan down from the top (through the points `also`) finds the
+    highest feasible point, then each point between it and the one above it is tried, from the top."""
     above = top + 1
-    for n in sorted({*range(top, 0, -max(1, top // 16)), 8, 4, 2, 1, 0} & set(range(top + 1)), reverse=True):
+    for n in sorted({*_grid(top), *(a for a in also if 0 <= a <= top)}, reverse=True):
         if (found := build(n)) is not None:
-            return _bisect(n + 1, above - 1, build, (n, found))
+            for m in range(above - 1, n, -1):
+                if (wider := build(m)) is not None:
+                    return m, wider
+            return n, found
         above = n
     return 0, None
+
+
+def _grid(top: int) -> list[int]:
+    """The coarse scan's points, from the top down: every sixteenth, then 8, 4, 2, 1, 0."""
+    return sorted({*range(top, 0, -max(1, top // 16)), 8, 4, 2, 1, 0} & set(range(top + 1)), reverse=True)
+
+
+def _steps_for(n_lines: int, available: int) -> int:
+    """The fewest steps that take `n_lines` of `available` lines (all of them when fewer), as _share counts."""
+    return (min(n_lines, available) - 1) * FIT_STEPS // available + 1 if available else 0
 
 
 def _bisect(lo: int, hi: int, build: Callable[[int], T | None], best: tuple[int, T | None]) -> tuple[int, T | None]:

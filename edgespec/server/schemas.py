@@ -187,7 +187,7 @@ FIELDS: dict[str, Field] = {
     "dynatemp_range": Field("refused unless 0: not implemented", no_op=_is(0.0)),
     "lora": Field("refused unless empty: edgespec loads no adapters", LLAMA_ROUTES, _empty),
     "n_cache_reuse": Field("keep cached runs of at least this many tokens at their new position (KV shifting), "
-                           "after insertions too; 0 keeps the common prefix only. Default: --cache-reuse, else 32 "
+                           "after insertions too; 0 keeps the common prefix only. Default: --cache-reuse, else 16 "
                            "on /infill and 0 elsewhere. A shifted entry was computed with other text before it: "
                            "the output is close to a fresh evaluation's, not identical"),
     "return_progress": Field("refused unless false: not implemented", LLAMA_ROUTES, _is(False)),

@@ -135,13 +135,16 @@ class Service:
         if jobs:
             await asyncio.wait([job for _, job in jobs])
 
-    def warm(self, prompts: Callable[[], Iterable[list[int]]], config: GenerationConfig) -> None:
-        """Evaluate each of `prompts` in turn into the cache of `config`'s slot while nobody waits, until the next
-        request (each prompt is the one before it with more context: what was evaluated stays usable)."""
+    def warm(self, prompts: Callable[[], Iterable[list[int]]], config: GenerationConfig, delay: float = 0.0) -> None:
+        """Evaluate each of `prompts` in turn into the cache of `config`'s slot while nobody waits, from `delay`
+        seconds on until the next request (each prompt is the one before it with more context: what was evaluated
+        stays usable)."""
         eng, cancel = self.engine(), threading.Event()
         config = dataclasses.replace(config, max_tokens=0, prompt_batch=BACKGROUND_BATCH, memory=None)
 
         def work() -> None:
+            if delay and cancel.wait(delay):
+                return
             for prompt in prompts():
                 if cancel.is_set():
                     return

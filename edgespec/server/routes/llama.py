@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgespec.config import LLAMA_N_PREDICT, LLAMA_TEMPERATURE
+from edgespec.config import LLAMA_N_PREDICT, LLAMA_TEMPERATURE, WIDEN_DELAY
 from edgespec.server import logprobs, schemas
 from edgespec.server.http import KEEPALIVE, SSE_HEADERS, guard, sse, sse_guard
 from edgespec.server.service import Service, check_request, in_namespace, prompt_of, request_of, spec
@@ -59,7 +59,7 @@ class LlamaRoutes:
 
         def widen() -> None:
             if ip.kept.cut and budget is not None and not self.svc.draining:
-                self.svc.warm(ip.widening, req.config)
+                self.svc.warm(ip.widening, req.config, WIDEN_DELAY)
 
         return await self.respond(request, ip.tokens, req, "the infill prompt ('input_prefix', 'input_suffix', "
                                                            "'prompt', 'input_extra')", infill=True, report=report,

@@ -116,6 +116,20 @@ def test_a_ring_warm_up_pays_off_also_after_the_ring_drops_its_oldest_chunk(serv
     assert out["infill"]["extra_chunks"] == [5, 5]
 
 
+def test_a_ring_warm_up_keeps_the_last_completions_lines_cached(server):
+    """llama.vim's ring warm-up sends no prefix or suffix; evaluating it must not evict the lines of the completion
+    before it, which the next completion (the same lines, the new chunk before them) wants again."""
+    fim = {"input_prefix": "".join(SOURCE[:30]), "input_suffix": "\n" + "".join(SOURCE[30:40]), "prompt": "    ",
+           "n_predict": 4, "temperature": 0, "t_max_prompt_ms": -1}
+    httpx.post(server.url + "/infill", json=fim, timeout=300).raise_for_status()
+    ring = [{"filename": "ring.py", "text": "".join(SOURCE[60:64])}]
+    warm = {"input_prefix": "", "input_suffix": "", "input_extra": ring, "prompt": "", "n_predict": 0,
+            "samplers": []}
+    httpx.post(server.url + "/infill", json=warm, timeout=300).raise_for_status()
+    out = httpx.post(server.url + "/infill", json={**fim, "input_extra": ring}, timeout=300).json()
+    assert out["infill"]["extra_chunks"] == [1, 1] and out["timings"]["prompt_n"] <= 4, out["timings"]
+
+
 def test_llama_vim_speculative_request_costs_a_handful_of_prompt_tokens(server):
     """After a suggestion is shown, llama.vim asks again as if it were accepted: the cache already holds it."""
     fim = {"input_prefix": "".join(SOURCE[:20]) + "def add(a, b):\n", "input_suffix": "\n\nprint(add(1, 2))\n",

@@ -23,7 +23,7 @@ from edgespec.errors import IncompatibleDraftError
 from edgespec.proposers import Proposal
 
 NEAR_TIE_GAP = 0.5
-N_TOKENS = 48
+N_TOKENS = 32
 LOAD = LoadConfig(n_ctx=2048, n_threads=2)
 
 CODE = [

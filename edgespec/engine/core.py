@@ -214,11 +214,12 @@ class Engine:
         return chat.model_tokens(self.target, messages, add_generation_prompt, tools)
 
     def infill_prompt(self, infill: Infill, max_tokens: int, budget_seconds: float | None = None,
-                      slot: int | None = None, cache_reuse: int = 0, layout: str = "prefix") -> InfillPrompt:
+                      slot: int | None = None, cache_reuse: int = 0, layout: str = "prefix",
+                      warm_up: bool = False) -> InfillPrompt:
         """A fill-in-the-middle prompt leaving `max_tokens` of room: sized for `budget_seconds` of prompt evaluation
-        against what the slot holds, or as llama.cpp sizes it (engine.infill)."""
+        against what the slot holds, or as llama.cpp sizes it; a `warm_up` keeps the slot's FIM part (engine.infill)."""
         return infill_prompt(self.target, self.slots, self.prompt_rate, infill, max_tokens, budget_seconds, slot,
-                             cache_reuse, layout)
+                             cache_reuse, layout, warm_up)
 
     def check_fits(self, prompt: Sequence[int], prompt_name: str = "the prompt") -> None:
         """Raise ContextOverflowError, with the numbers, unless the prompt leaves room for one token; `prompt_name`

@@ -2,10 +2,10 @@
 
 Without a time budget the FIM context is cut as llama.cpp's server cuts it for the same batch size. With one
 (llama.vim's and llama.vscode's `t_max_prompt_ms`) it takes as many whole lines nearest the cursor as the prompt
-evaluation rate allows to evaluate in that time, counting only tokens the slot's cache cannot reuse: a cold cache
-gets a narrow context, answered in about the time asked. After the answer, the context is widened in the background
-a few lines at a time (each wider prompt reusing the one before it), so the cache warms outwards from the cursor and
-the next request can take more.
+evaluation cost allows in that time, counting only tokens the slot's cache cannot reuse, and never fewer than the
+nearest lines (fim.NEAR_LINES): a cold cache gets a narrow context, answered in about the time asked. After a pause
+the context is widened in the background a few lines at a time (each wider prompt reusing the one before it), so
+the cache warms outwards from the cursor and the next request can take more.
 """
 
 from __future__ import annotations
@@ -35,16 +35,21 @@ class InfillPrompt:
 
 def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Infill, max_tokens: int,
                   budget_seconds: float | None = None, slot: int | None = None, cache_reuse: int = 0,
-                  layout: str = "prefix") -> InfillPrompt:
+                  layout: str = "prefix", warm_up: bool = False) -> InfillPrompt:
     """The FIM prompt for `infill` on target `m` that leaves `max_tokens` of room, sized for `budget_seconds` of
     prompt evaluation at `rate` (None: as llama.cpp sizes it), in `slot` or else the free slot that can reuse most
-    of it."""
+    of it. A `warm_up` of extra chunks alone keeps the FIM part the slot holds after them (FimPrompt.warm_up)."""
     fim = FimPrompt(m.vocab, lambda text: m.tokenize(text, add_special=False, parse_special=False), layout)
     room = m.n_ctx - max_tokens
 
     def new_tokens(s: Slot, tokens: list[int]) -> int:
         return reuse.plan(list(s.cache.tokens), tokens, cache_reuse if s.cache.can_shift else 0).new
 
+    if warm_up and not (infill.prefix or infill.suffix or infill.typed):
+        chosen = _slot_for(slots, slot, lambda s: new_tokens(s, fim.warm_up(infill.extra, s.cache.tokens)))
+        tokens = fim.warm_up(infill.extra, slots[chosen].cache.tokens)
+        n = len(infill.extra)
+        return InfillPrompt(tokens, Kept((0, 0), (0, 0), (n, n)), chosen, new_tokens(slots[chosen], tokens), None)
     budget = rate.tokens_within(budget_seconds) if budget_seconds is not None else None
     if budget is None:
         tokens, kept = fim.llama_cpp_sizes(infill, m.n_batch, m.n_ctx, max_tokens)

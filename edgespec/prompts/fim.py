@@ -98,6 +98,20 @@ class FimPrompt:
             return [*head, *bos, v.fim_pre, *pre, v.fim_suf, *suf, v.fim_mid, *typed]
         return [*head, *bos, v.fim_pre, *pre, *typed, v.fim_suf, *suf, v.fim_mid]
 
+    def warm_up(self, extra: Sequence[tuple[str, str]], cached: Sequence[int]) -> list[int]:
+        """An editor's warm-up (extra chunks, no prefix or suffix): the chunks, then the FIM part a slot's `cached`
+        prompt holds (<fim_prefix> to <fim_middle>), so the next completion finds both cached instead of its lines
+        evicted by the warm-up."""
+        v = self.vocab
+        body: list[int] = []
+        if v.fim_pre in cached and v.fim_mid in cached:
+            pre = len(cached) - 1 - list(cached)[::-1].index(v.fim_pre)
+            if v.fim_mid in cached[pre:]:
+                body = list(cached[pre:list(cached).index(v.fim_mid, pre) + 1])
+        if not body:
+            return self.assemble(self.head(extra), [], [], [])
+        return [*self.head(extra), *([v.bos] if v.add_bos and v.bos is not None else []), *body]
+
     def tokens(self, infill: Infill, take: Take = Take()) -> tuple[list[int], list[int], list[int]]:
         """The prompt holding `take` of `infill` (whole lines nearest the cursor, the latest extra chunks), and the
         prefix and suffix tokens it holds."""

@@ -129,7 +129,8 @@ FIELDS: dict[str, Field] = {
     "user": Field("accepted and not used: an end-user id for the provider's abuse monitoring", _OAI),
     "t_max_prompt_ms": Field("/infill: the time the prompt's evaluation may take: whole lines nearest the cursor "
                              "first, as many as the measured evaluation rate allows beyond what the slot's cache "
-                             "already holds (what was cut is reported); a warm-up (n_predict 0) evaluates all of "
+                             "already holds, never fewer than the 8 lines before the cursor (what was cut is "
+                             "reported); a warm-up (n_predict 0) evaluates all of "
                              "its context instead, preempted by the next request; refused above 0 on the other "
                              "routes, whose prompt arrives whole (llama.cpp does not implement it)"),
     "n_keep": Field("accepted and not used: it only matters for context shifting, which edgespec does not do "

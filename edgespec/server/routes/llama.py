@@ -52,7 +52,8 @@ class LlamaRoutes:
         await self.svc.preempt()
         room = c.max_tokens if c.max_tokens else LLAMA_N_PREDICT  # kept free for the answer
         layout = self.svc.settings.fim_layout
-        ip = eng.infill_prompt(schemas.infill(body), min(room, eng.n_ctx // 2), budget, c.slot, c.cache_reuse, layout)
+        ip = eng.infill_prompt(schemas.infill(body), min(room, eng.n_ctx // 2), budget, c.slot, c.cache_reuse, layout,
+                               warm_up=c.max_tokens == 0)
         req = dataclasses.replace(req, config=dataclasses.replace(c, slot=ip.slot))
         report = {"truncated": ip.kept.cut, "infill": {"layout": layout, "budget_tokens": ip.budget_tokens,
                                                        **ip.kept.to_dict()}}

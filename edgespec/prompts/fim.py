@@ -102,12 +102,12 @@ class FimPrompt:
         """An editor's warm-up (extra chunks, no prefix or suffix): the chunks, then the FIM part a slot's `cached`
         prompt holds (<fim_prefix> to <fim_middle>), so the next completion finds both cached instead of its lines
         evicted by the warm-up."""
-        v = self.vocab
+        v, cached = self.vocab, list(cached)
         body: list[int] = []
-        if v.fim_pre in cached and v.fim_mid in cached:
-            pre = len(cached) - 1 - list(cached)[::-1].index(v.fim_pre)
+        if v.fim_pre in cached:
+            pre = len(cached) - 1 - cached[::-1].index(v.fim_pre)
             if v.fim_mid in cached[pre:]:
-                body = list(cached[pre:list(cached).index(v.fim_mid, pre) + 1])
+                body = cached[pre:cached.index(v.fim_mid, pre) + 1]
         if not body:
             return self.assemble(self.head(extra), [], [], [])
         return [*self.head(extra), *([v.bos] if v.add_bos and v.bos is not None else []), *body]
@@ -172,9 +172,9 @@ class FimPrompt:
         step, built = _widest(FIT_STEPS, affordable, (near,) if max_new is not None else ())
         if built is None:  # not even the nearest lines fit the room: the typed text alone, over the budget
             if (built := fits(Take(0, 0, 0), None)) is None:
-                raise InvalidRequestError(f"the typed text and FIM tokens take {len(self.tokens(infill, Take(0, 0, 0))[0])}"
-                                          f" tokens, more than the {room} available for the prompt; send a shorter "
-                                          f"'prompt'")
+                alone = len(self.tokens(infill, Take(0, 0, 0))[0])
+                raise InvalidRequestError(f"the typed text and FIM tokens take {alone} tokens, more than the {room} "
+                                          f"available for the prompt; send a shorter 'prompt'")
             return Fitted(built[0], self.kept(infill, built[1], built[2], 0), 0, 0)
         n_extra, with_extra = _largest(len(infill.extra), lambda e: fits(_share(infill, step, e), max_new))
         prompt, pre, suf = with_extra or built

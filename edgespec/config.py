@@ -43,8 +43,8 @@ OPENAI_TEMPERATURE = 1.0
 LLAMA_N_PREDICT = 128
 LLAMA_TEMPERATURE = 0.8
 # /infill reuses cached chunks of at least this many tokens at their new position unless the request or --cache-reuse
-# says otherwise; other routes reuse only a prefix. Small, because the few lines kept around a moving cursor (engine.infill)
-# move as short chunks: the suffix's first lines, the prefix after a line was added.
+# says otherwise; other routes reuse only a prefix. Small, because the few lines kept around a moving cursor
+# (engine.infill) move as short chunks: the suffix's first lines, the prefix after a line was added.
 INFILL_CACHE_REUSE = 16
 FIM_LAYOUTS = ("prefix", "middle")  # where /infill puts the typed part of the cursor line (prompts.fim)
 DEFAULT_FIM_LAYOUT = "prefix"

@@ -48,8 +48,9 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
     if warm_up and not (infill.prefix or infill.suffix or infill.typed):
         chosen = _slot_for(slots, slot, lambda s: new_tokens(s, fim.warm_up(infill.extra, s.cache.tokens)))
         tokens = fim.warm_up(infill.extra, slots[chosen].cache.tokens)
-        n = len(infill.extra)
-        return InfillPrompt(tokens, Kept((0, 0), (0, 0), (n, n)), chosen, new_tokens(slots[chosen], tokens), None)
+        if len(tokens) <= room:  # else the chunks alone, cut as llama.cpp cuts them (below)
+            n = len(infill.extra)
+            return InfillPrompt(tokens, Kept((0, 0), (0, 0), (n, n)), chosen, new_tokens(slots[chosen], tokens), None)
     budget = rate.tokens_within(budget_seconds) if budget_seconds is not None else None
     if budget is None:
         tokens, kept = fim.llama_cpp_sizes(infill, m.n_batch, m.n_ctx, max_tokens)

@@ -10,6 +10,7 @@ the cache warms outwards from the cursor and the next request can take more.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
@@ -46,9 +47,10 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
         return reuse.plan(list(s.cache.tokens), tokens, cache_reuse if s.cache.can_shift else 0).new
 
     if warm_up and not (infill.prefix or infill.suffix or infill.typed):
-        chosen = _slot_for(slots, slot, lambda s: new_tokens(s, fim.warm_up(infill.extra, s.cache.tokens)))
-        tokens = fim.warm_up(infill.extra, slots[chosen].cache.tokens)
-        if len(tokens) <= room:  # else the chunks alone, cut as llama.cpp cuts them (below)
+        kept = {id(s): fim.warm_up(infill.extra, s.cache.tokens) for s in slots}
+        chosen = _slot_for(slots, slot, lambda s: math.inf if (t := kept[id(s)]) is None else new_tokens(s, t))
+        tokens = kept[id(slots[chosen])]
+        if tokens is not None and len(tokens) <= room:  # else the chunks alone, cut as llama.cpp cuts them (below)
             n = len(infill.extra)
             return InfillPrompt(tokens, Kept((0, 0), (0, 0), (n, n)), chosen, new_tokens(slots[chosen], tokens), None)
     budget = rate.tokens_within(budget_seconds) if budget_seconds is not None else None

@@ -98,18 +98,17 @@ class FimPrompt:
             return [*head, *bos, v.fim_pre, *pre, v.fim_suf, *suf, v.fim_mid, *typed]
         return [*head, *bos, v.fim_pre, *pre, *typed, v.fim_suf, *suf, v.fim_mid]
 
-    def warm_up(self, extra: Sequence[tuple[str, str]], cached: Sequence[int]) -> list[int]:
+    def warm_up(self, extra: Sequence[tuple[str, str]], cached: Sequence[int]) -> list[int] | None:
         """An editor's warm-up (extra chunks, no prefix or suffix): the chunks, then the FIM part a slot's `cached`
         prompt holds (<fim_prefix> to <fim_middle>), so the next completion finds both cached instead of its lines
-        evicted by the warm-up."""
+        evicted by the warm-up; None when the slot holds no FIM part."""
         v, cached = self.vocab, list(cached)
-        body: list[int] = []
-        if v.fim_pre in cached:
-            pre = len(cached) - 1 - cached[::-1].index(v.fim_pre)
-            if v.fim_mid in cached[pre:]:
-                body = cached[pre:cached.index(v.fim_mid, pre) + 1]
-        if not body:
-            return self.assemble(self.head(extra), [], [], [])
+        if v.fim_pre not in cached:
+            return None
+        pre = len(cached) - 1 - cached[::-1].index(v.fim_pre)
+        if v.fim_mid not in cached[pre:]:
+            return None
+        body = cached[pre:cached.index(v.fim_mid, pre) + 1]
         return [*self.head(extra), *([v.bos] if v.add_bos and v.bos is not None else []), *body]
 
     def tokens(self, infill: Infill, take: Take = Take()) -> tuple[list[int], list[int], list[int]]:

@@ -188,8 +188,7 @@ class Model(FirstSequence):
                 f"llama.cpp could not load {path} ({_first_error()}); the file is truncated, corrupt or of an "
                 f"unsupported architecture: fetch it again (`edgespec models fetch NAME`) or pick another GGUF"
             )
-        self._ctx = None
-        self._batch = None
+        self._ctx = self._batch = self._infill = None  # llama.cpp's infill sampler is made when first used
         try:
             self._vocab_p = llama_cpp.llama_model_get_vocab(self._model)
             self.facts = self._read_facts()
@@ -205,8 +204,7 @@ class Model(FirstSequence):
             self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
             if not self._ctx:
                 raise EdgespecError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {path} "
-                                    f"({_first_error()}); "
-                                    f"try a smaller context (--ctx)")
+                                    f"({_first_error()}); try a smaller context (--ctx)")
             self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx)) // cfg.n_seq  # per sequence: each holds at most this
             self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
             self._mem = llama_cpp.llama_get_memory(self._ctx)
@@ -259,6 +257,14 @@ class Model(FirstSequence):
         if piece is None:
             piece = self._pieces[token] = self._render(token, special=False)
         return piece
+
+    def infill_keep(self, ids: np.ndarray, p: np.ndarray) -> np.ndarray:
+        """The ids llama.cpp's infill sampler (llama_sampler_init_infill) keeps of a distribution over `ids`."""
+        self._infill = self._infill or llama_cpp.llama_sampler_init_infill(self._vocab_p)
+        data = (llama_cpp.llama_token_data * len(ids))(*[(int(t), float(np.log(q)), float(q)) for t, q in zip(ids, p)])
+        cur = llama_cpp.llama_token_data_array(data, len(ids), -1, False)
+        llama_cpp.llama_sampler_apply(self._infill, ctypes.byref(cur))
+        return np.array([cur.data[i].id for i in range(cur.size)], dtype=np.int64)
 
     def token_piece(self, token: int) -> bytes:
         """The bytes of one token with control tokens written out (llama.cpp's /tokenize and /detokenize)."""
@@ -326,15 +332,11 @@ class Model(FirstSequence):
     # -- lifetime -------------------------------------------------------------
 
     def close(self) -> None:
-        if getattr(self, "_batch", None) is not None:
-            llama_cpp.llama_batch_free(self._batch)
-            self._batch = None
-        if getattr(self, "_ctx", None):
-            llama_cpp.llama_free(self._ctx)
-            self._ctx = None
-        if getattr(self, "_model", None):
-            llama_cpp.llama_model_free(self._model)
-            self._model = None
+        for name, free in (("_infill", llama_cpp.llama_sampler_free), ("_batch", llama_cpp.llama_batch_free),
+                           ("_ctx", llama_cpp.llama_free), ("_model", llama_cpp.llama_model_free)):
+            if getattr(self, name, None):
+                free(getattr(self, name))
+                setattr(self, name, None)
 
     def __enter__(self) -> Model:
         return self

@@ -52,8 +52,10 @@ TIME_LIMIT_GRACE = 0.5  # seconds past GenerationConfig.time_limit that a line m
 # Seconds of quiet after an /infill answer before its cut context is widened in the background: while the user
 # types, the next request comes sooner and would pay for the widening's batch in flight and its moved cache.
 WIDEN_DELAY = 2.0
-# Tokens per batch of an evaluation nobody waits on (a warm-up): the next request preempts it within one batch.
-BACKGROUND_BATCH = 32
+# Tokens per batch of an evaluation nobody waits on (a warm-up): the next request preempts it within one batch,
+# so it may wait that long.
+BACKGROUND_BATCH = 16
+QUIET_TICK_SECONDS = 0.1  # resolution of the quiet before background widening (server.service)
 # Cross-request memory (memory.py): the namespace of the machine's own user (CLI, Python API, a server without keys);
 # a server's API keys each get one of their own. A namespace is also a file name, so it is kept to these characters.
 MEMORY_LOCAL = "local"
@@ -121,6 +123,7 @@ class SamplingConfig:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); -inf forbids the token
+    infill: bool = False  # llama.cpp's infill sampler after the filters (decoding.sampling.infill); not when greedy
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature <= 100.0:

@@ -191,3 +191,32 @@ def test_a_model_that_cannot_shift_reuses_its_prefix_only_and_says_so(gemma_path
         eng.generate(body, GenerationConfig(max_tokens=1, cache_reuse=32, memory=None))
         out = eng.generate("".join(SOURCE[1:21]), GenerationConfig(max_tokens=1, cache_reuse=32, memory=None))
         assert out.stats.shifted_prompt_tokens == 0 and out.stats.cached_prompt_tokens <= 4
+
+
+def test_a_request_cancels_background_work_registered_while_it_waited_to_preempt():
+    # The stall after a ring update: a completion and a warm-up both waited on the same background batch; the
+    # warm-up, resuming first, registered its own evaluation; the completion must cancel that one too instead of
+    # queueing behind all of it (pure asyncio logic; the real jobs are engine threads).
+    import asyncio
+    import types
+
+    from edgespec.server.service import Service
+
+    async def scenario() -> bool:
+        svc = types.SimpleNamespace(background={})
+
+        def background(cancel: threading.Event, then=None) -> None:
+            async def job() -> None:
+                while not cancel.is_set():
+                    await asyncio.sleep(0.005)
+                if then is not None:
+                    then()
+            svc.background[cancel] = task = asyncio.ensure_future(job())
+            task.add_done_callback(lambda _: svc.background.pop(cancel, None))
+
+        widening, warm_up = threading.Event(), threading.Event()
+        background(widening, then=lambda: background(warm_up))
+        await asyncio.wait_for(Service.preempt(svc), 10)
+        return warm_up.is_set() and not svc.background
+
+    assert asyncio.run(scenario())

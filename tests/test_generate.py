@@ -100,6 +100,20 @@ def test_prefix_of_previous_call_is_reused(smollm_path):
     assert again.stats.cached_prompt_tokens == again.stats.prompt_tokens - 1
 
 
+def test_a_generation_cancelled_before_it_begins_leaves_the_cache_as_it_was(smollm_path):
+    # A warm-up preempted before its turn came: it must not evict what the next request reuses.
+    import threading
+
+    with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512, n_threads=2)) as e:
+        e.generate("The quick brown fox jumps over the lazy dog. " * 4, GenerationConfig(max_tokens=4))
+        held = list(e.slots[0].cache.tokens)
+        cancel = threading.Event()
+        cancel.set()
+        chunks = list(e.stream("A different text altogether, " * 8, GenerationConfig(max_tokens=0), (), cancel))
+        assert chunks[-1].finish_reason == "cancelled"
+        assert list(e.slots[0].cache.tokens) == held
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -29,14 +29,15 @@ def test_llama_cpp_sampler_conventions():
 
 def test_a_sampler_left_out_is_off_and_temperature_left_out_is_one():
     s = gen({"samplers": ["top_k", "top_p", "infill"], "top_k": 40, "top_p": 0.99, "temperature": 0.1}).config.sampling
-    assert (s.top_k, s.top_p, s.min_p, s.temperature) == (40, 0.99, 0.0, 1.0)
+    assert (s.top_k, s.top_p, s.min_p, s.temperature, s.infill) == (40, 0.99, 0.0, 1.0, True)
     s = gen({"samplers": "kt", "temperature": 0.2}).config.sampling  # llama.cpp's letters
-    assert (s.top_k, s.top_p, s.min_p, s.temperature) == (40, 1.0, 0.0, 0.2)
+    assert (s.top_k, s.top_p, s.min_p, s.temperature, s.infill) == (40, 1.0, 0.0, 0.2, False)
 
 
 @pytest.mark.parametrize("samplers, message", [
     (["temperature", "top_k"], "in that order only"),
     (["top_k", "beam"], "unknown names ['beam']"),
+    (["infill", "top_k"], "infill last only"),
     ("kq", "letters are"),
     (7, "a list of names or a string"),
 ])

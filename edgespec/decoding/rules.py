@@ -15,7 +15,7 @@ sample-then-check path), and a top-k filter needs only its k best admitted token
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -24,6 +24,7 @@ from edgespec.config import SamplingConfig
 from edgespec.errors import EdgespecError
 
 Dist = tuple[np.ndarray, np.ndarray]  # sparse distribution: (token ids, probabilities)
+InfillKeep = Callable[[np.ndarray, np.ndarray], np.ndarray]  # the ids llama.cpp's infill sampler keeps of a Dist
 _WIDTHS = (1, 64, 2048)  # candidates masked before the whole vocabulary
 
 
@@ -42,17 +43,22 @@ class Grammar(Protocol):
 class Rules:
     """One generation's rules over target rows; `token`/`dist` for the next position, `accept` to commit."""
 
-    def __init__(self, sc: SamplingConfig, grammar: Grammar | None = None) -> None:
-        self.sc, self.grammar = sc, grammar
+    def __init__(self, sc: SamplingConfig, grammar: Grammar | None = None,
+                 infill_keep: InfillKeep | None = None) -> None:
+        if sc.infill and infill_keep is None:
+            raise ValueError("the infill sampler needs the model's infill_keep")
+        self.sc, self.grammar, self.infill_keep = sc, grammar, infill_keep
         self._bias = dict(sc.logit_bias)
         self._penalize = sc.repeat_last_n != 0 and (
             sc.repeat_penalty != 1.0 or sc.frequency_penalty != 0.0 or sc.presence_penalty != 0.0)
 
     @staticmethod
-    def of(sc: SamplingConfig, grammar: Grammar | None = None) -> Rules | None:
+    def of(sc: SamplingConfig, grammar: Grammar | None = None,
+           infill_keep: InfillKeep | None = None) -> Rules | None:
         """Rules for this config, or None when a row is used as it is (the fast paths)."""
-        rules = Rules(sc, grammar)
-        return rules if grammar is not None or rules._bias or rules._penalize else None
+        rules = Rules(sc, grammar, infill_keep)
+        infill = sc.infill and not sc.greedy
+        return rules if grammar is not None or rules._bias or rules._penalize or infill else None
 
     def logits(self, row: np.ndarray, history: Sequence[int]) -> np.ndarray:
         """`row` with logit bias and penalties applied (a copy; the row itself when neither applies)."""
@@ -87,12 +93,15 @@ class Rules:
     def dist(self, row: np.ndarray, history: Sequence[int]) -> Dist:
         """The distribution the target alone samples from after `history`."""
         x = self.logits(row, history)
-        if self.grammar is None:
-            return sampling.distribution(x, self.sc)
-        masked = np.full(len(x), -np.inf, dtype=np.float32)
-        ids = self._admitted(x, self.sc.top_k if self.sc.top_k > 0 else len(x))
-        masked[ids] = x[ids]
-        return sampling.distribution(masked, self.sc)
+        if self.grammar is not None:
+            masked = np.full(len(x), -np.inf, dtype=np.float32)
+            ids = self._admitted(x, self.sc.top_k if self.sc.top_k > 0 else len(x))
+            masked[ids] = x[ids]
+            x = masked
+        dist = sampling.distribution(x, self.sc)
+        if self.sc.infill and self.infill_keep is not None:
+            return sampling.infill(*dist, self.infill_keep)
+        return dist
 
     def accept(self, token: int) -> None:
         if self.grammar is not None:

@@ -1,14 +1,15 @@
 """Turning one row of logits into a token: greedy, or a filtered distribution.
 
 Filters follow llama.cpp's default chain (top-k, top-p, min-p, then
-temperature), so the same settings mean the same thing as in llama.cpp. The
+temperature), so the same settings mean the same thing as in llama.cpp; its
+infill sampler (llama.vim's and llama.vscode's last) may follow them. The
 distribution is returned sparse, as (token ids, probabilities), because after
 top-k only a few dozen of 150k entries are non-zero.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -46,6 +47,20 @@ def distribution(logits: np.ndarray, cfg: SamplingConfig) -> tuple[np.ndarray, n
         keep = min(keep, int(np.count_nonzero(p >= cfg.min_p * p[0])))
     keep = max(keep, 1)
     return ids[:keep], _softmax(x[:keep] / cfg.temperature)
+
+
+def infill(ids: np.ndarray, p: np.ndarray, keep: Callable[[np.ndarray, np.ndarray], np.ndarray]
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp's infill sampler on a filtered distribution: `keep` runs llama.cpp's own (the model's
+    Model.infill_keep) and names the ids it keeps; its dist sampler then draws among them by their own
+    probabilities, not the merged ones. An id it keeps that was not a candidate (the end of turn it falls back to
+    when no text token is likely enough) is certain."""
+    kept = keep(ids, p)
+    where = {int(t): i for i, t in enumerate(ids)}
+    if len(kept) == 0 or any(int(t) not in where for t in kept):
+        return kept[:1], np.ones(min(1, len(kept)))
+    q = p[[where[int(t)] for t in kept]]
+    return kept, q / q.sum()
 
 
 def sample(logits: np.ndarray, cfg: SamplingConfig, rng: np.random.Generator) -> int:

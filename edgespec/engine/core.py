@@ -254,7 +254,7 @@ class Engine:
         prompt_tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_fits(prompt_tokens)  # a length past the room left is cut to it by loop.steps
         generation.proposer_for(self.slots[0], config)  # an impossible choice fails here, before any waiting
-        rules = Rules.of(config.sampling, self.grammar(config))  # so does a grammar that does not parse
+        rules = Rules.of(config.sampling, self.grammar(config), self.target.infill_keep)  # as does a bad grammar
         k = config.k if self.config.k is None or config.k is None else min(config.k, self.config.k)
         run = generation.Run(config, stop, cancel or threading.Event(), rules, self.plan.k_max, k,
                              self.target.token_bytes, self.pool.turns)

@@ -101,8 +101,7 @@ FIELDS: dict[str, Field] = {
     "seed": Field("-1 is random; any other integer reproduces the sample"),
     "samplers": Field("names or letters; penalties, top_k, top_p, min_p, temperature honoured (one left out is off, "
                       "temperature left out samples at 1, as in llama.cpp), in llama.cpp's order; the other "
-                      "names do nothing at their defaults; infill is accepted and not applied (edgespec has no "
-                      "infill sampler)"),
+                      "names do nothing at their defaults; infill (llama.cpp's infill sampler) honoured last"),
     "n": Field("refused unless 1: one answer per request", _OAI, _is(1)),
     # -- caching, slots, speculation -----------------------------------------------------------------------------
     "cache_prompt": Field("reuse the KV prefix the slot shares with this prompt (default true)"),
@@ -337,6 +336,7 @@ def _sampling(body: dict[str, Any], default_temperature: float,
         frequency_penalty=number(body, "frequency_penalty", 0.0, -100.0, 100.0) if penalties else 0.0,
         presence_penalty=number(body, "presence_penalty", 0.0, -100.0, 100.0) if penalties else 0.0,
         logit_bias=logit_bias,
+        infill="infill" in chain,
     )
 
 
@@ -442,6 +442,9 @@ def _samplers(body: dict[str, Any]) -> tuple[str, ...]:
                                       f"{', '.join(SAMPLER_CHAIN)}, infill")
     else:
         raise InvalidRequestError("'samplers' must be a list of names or a string of letters")
+    if "infill" in names[:-1]:
+        raise InvalidRequestError(f"'samplers' {value!r}: edgespec applies infill last only (as llama.vim and "
+                                  f"llama.vscode send it); move it to the end")
     own = [n for n in names if n in OWN_SAMPLERS]
     if own != [n for n in SAMPLER_CHAIN if n in own]:
         raise InvalidRequestError(f"'samplers' {value!r}: edgespec applies {', '.join(OWN_SAMPLERS)} in that order "

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable
@@ -19,7 +20,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 
 from edgespec import errors
-from edgespec.config import BACKGROUND_BATCH, INFILL_CACHE_REUSE, GenerationConfig
+from edgespec.config import BACKGROUND_BATCH, INFILL_CACHE_REUSE, QUIET_TICK_SECONDS, GenerationConfig
 from edgespec.server import metrics, schemas
 from edgespec.server.http import MAX_DRAIN_BYTES, Settings, TooLarge, Unavailable
 
@@ -129,10 +130,11 @@ class Service:
     async def preempt(self) -> None:
         """Stop the background evaluations and wait for them to give the engine back (within one small batch;
         what they evaluated stays in the cache, for this request to reuse)."""
-        jobs = list(self.background.items())
-        for cancel, _ in jobs:
-            cancel.set()
-        if jobs:
+        # Until none is left: a warm-up whose handler was waiting on the same job may register meanwhile, and
+        # this request would then queue behind all of its evaluation.
+        while jobs := list(self.background.items()):
+            for cancel, _ in jobs:
+                cancel.set()
             await asyncio.wait([job for _, job in jobs])
 
     def warm(self, prompts: Callable[[], Iterable[list[int]]], config: GenerationConfig, delay: float = 0.0) -> None:
@@ -143,7 +145,7 @@ class Service:
         config = dataclasses.replace(config, max_tokens=0, prompt_batch=BACKGROUND_BATCH, memory=None)
 
         def work() -> None:
-            if delay and cancel.wait(delay):
+            if _quiet_for(delay, cancel):
                 return
             for prompt in prompts():
                 if cancel.is_set():
@@ -219,6 +221,16 @@ class Service:
                 self.active.discard(cancel)
 
         return gen()
+
+
+def _quiet_for(seconds: float, cancel: threading.Event) -> bool:
+    """Wait `seconds` of this process's running time, in ticks: a server stopped meanwhile (SIGSTOP, a debugger, a
+    lockstep benchmark) does not find the pause over the moment it resumes, as the next request arrives. True when
+    `cancel` came first."""
+    for _ in range(math.ceil(seconds / QUIET_TICK_SECONDS)):
+        if cancel.wait(QUIET_TICK_SECONDS):
+            return True
+    return cancel.is_set()
 
 
 def _as_background(config: GenerationConfig) -> GenerationConfig:

@@ -62,6 +62,17 @@ def gemma_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def coder_server(qwen_draft_path):
+    """One `edgespec serve` of the smallest FIM and chat model with one slot, shared by the modules that need no
+    server of their own (each start loads and calibrates the model)."""
+    from test_server import Server
+
+    s = Server(qwen_draft_path, "--ctx", "4096", "--slots", "1")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
 def smollm(smollm_path):
     from edgespec.backend import Model
     from edgespec.config import LoadConfig

@@ -9,7 +9,6 @@ import time
 import httpx
 import llama_cpp
 import pytest
-from test_server import Server
 
 from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig
 from edgespec.backend import Model
@@ -21,12 +20,10 @@ SOURCE = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(80)]  #
 HEAD = "<|fim_prefix|>"
 
 
-@pytest.fixture(scope="module")
-def server(qwen_draft_path):
+@pytest.fixture
+def server(coder_server):
     """The smallest FIM model; one slot, so every request finds the cache the one before it left."""
-    s = Server(qwen_draft_path, "--ctx", "4096", "--slots", "1")
-    yield s
-    s.stop()
+    return coder_server
 
 
 def completion(server, prompt: str, **fields) -> dict:

@@ -14,7 +14,7 @@ import jsonschema
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from test_server import Server, client
+from test_server import client
 from test_speculative import NEAR_TIE_GAP
 
 from edgespec import Engine, GenerationConfig, LoadConfig, SamplingConfig
@@ -208,11 +208,9 @@ TIME = {"type": "function", "function": {
 TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 
 
-@pytest.fixture(scope="module")
-def server(qwen_draft_path):
-    s = Server(qwen_draft_path, "--ctx", "4096", "--slots", "1")
-    yield s
-    s.stop()
+@pytest.fixture
+def server(coder_server):
+    return coder_server
 
 
 def check_calls(calls) -> list[str]:

@@ -58,7 +58,7 @@ def export(gguf_path: Path, out_dir: Path, precision: str = "int4", progress: Pr
     if precision not in PRECISIONS:
         raise UnsupportedModelError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}; pick one of them")
     try:
-        reader = gguf.GGUFReader(str(gguf_path))
+        reader = _reader(gguf)(str(gguf_path))
     except (ValueError, OSError, IndexError) as e:
         raise InvalidModelError(f"{gguf_path} is not a readable GGUF ({e}); fetch it again") from e
     hp = _hyper(reader, gguf_path)
@@ -82,6 +82,19 @@ def export(gguf_path: Path, out_dir: Path, precision: str = "int4", progress: Pr
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _reader(gguf: Any) -> type:
+    """gguf's GGUFReader slicing a plain view of its memmap: each numpy.memmap slice runs Python hooks, and the
+    reader slices once per vocabulary string (about 3x faster on Qwen2.5's 152k tokens and merges)."""
+
+    class Reader(gguf.GGUFReader):
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+            if type(self.data) is not np.ndarray:
+                self.data = self.data.view(np.ndarray)  # the same pages, sliced without memmap's hooks
+            return super()._get(offset, dtype, count, override_order)
+
+    return Reader
 
 
 def _hyper(reader: Any, path: Path) -> Hyper:

@@ -49,6 +49,10 @@ INFILL_CACHE_REUSE = 16
 FIM_LAYOUTS = ("prefix", "middle")  # where /infill puts the typed part of the cursor line (prompts.fim)
 DEFAULT_FIM_LAYOUT = "prefix"
 TIME_LIMIT_GRACE = 0.5  # seconds past GenerationConfig.time_limit that a line may run before it is cut
+# An /infill sent with both editor budgets (t_max_prompt_ms, t_max_predict_ms) is due this long after their sum,
+# counted from its arrival (GenerationConfig.deadline): the cycle in flight and the response fit in the second the
+# editor's user is promised past the budgets.
+ANSWER_SLACK = 0.6
 # Seconds of quiet after an /infill answer before its cut context is widened in the background: while the user
 # types, the next request comes sooner and would pay for the widening's batch in flight and its moved cache.
 WIDEN_DELAY = 2.0
@@ -174,6 +178,9 @@ class GenerationConfig:
     # the next token holding a newline ends the generation ("length"); TIME_LIMIT_GRACE later any token ends it,
     # since an editor waits on its answer, not on a line that runs on (llama.cpp waits for the newline).
     time_limit: float | None = None
+    # time.perf_counter() by which the answer is due (an editor's budgets from the request's arrival): past it any
+    # token ends the generation ("length"), whatever time_limit allows. None: no such bound.
+    deadline: float | None = None
     min_indent: int = 0  # llama.cpp's n_indent (text.IndentLimit)
     proposer: str | None = None  # this generation's proposer ("none" turns speculation off); None: the engine's
     k: int | None = None  # most tokens per cycle for this generation, at most the engine's; None: the engine's

@@ -153,6 +153,8 @@ class Record:
     real: str
     limit_seconds: float  # t_max_prompt_ms + t_max_predict_ms + 1 s
     agree: int
+    prompt_ms: float | None = None  # the server's own split of `seconds`
+    predicted_ms: float | None = None
 
 
 @dataclass
@@ -223,7 +225,10 @@ def _record(kind: str, where: str, data: dict, seconds: float, body: dict, real:
     cache_n = data.get("tokens_cached", timings.get("cache_n"))
     content = data.get("content", "")
     limit = (body.get("t_max_prompt_ms", 0) + body.get("t_max_predict_ms", 0)) / 1000 + 1.0
-    return Record(kind, where, seconds, prompt_n, cache_n, content, real, limit, agreement(content, real))
+    prompt_ms = data.get("timings/prompt_ms", timings.get("prompt_ms"))
+    predicted_ms = data.get("timings/predicted_ms", timings.get("predicted_ms"))
+    return Record(kind, where, seconds, prompt_n, cache_n, content, real, limit, agreement(content, real),
+                  prompt_ms, predicted_ms)
 
 
 def turn(peer: Peer, others: list[Peer], fn: Any) -> Any:
@@ -316,6 +321,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--edgespec-args", default="", help="extra arguments for edgespec serve")
+    ap.add_argument("--servers", nargs="+", default=["edgespec", "llama-server"], choices=["edgespec", "llama-server"],
+                    help="one alone for a quick look at its own records (no ratio: runs are fair only side by side)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "editor.json")
     args = ap.parse_args()
 
@@ -334,6 +341,7 @@ def main() -> None:
                  Peer("llama-server", [str(server_bin), "-m", str(model), "--ctx-size", str(args.ctx), "-t",
                                        str(args.threads), "--cache-reuse", "256", "-ub", "1024", "-b", "1024",
                                        "--host", "127.0.0.1", "--port", "18080"], 18080)]
+        peers = [p for p in peers if p.name in args.servers]
         try:
             for p in peers:  # one at a time: edgespec calibrates at its first load, on a quiet machine
                 p.start(args.out.with_suffix(f".{p.name}.log"))

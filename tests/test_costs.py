@@ -122,3 +122,13 @@ def test_prompt_rate_prices_new_tokens_on_the_calibrated_curve():
     rate.observe(4, 0.4)  # prefills run twice the calibrated time: the scale moves towards 2
     assert 1.0 < rate.scale < 2.0 and rate.tokens_within(0.5) < 9
     assert PromptRate().tokens_within(0.5) is None  # nothing calibrated: no budget can be priced
+
+
+def test_a_prefill_that_moved_chunks_teaches_the_shift_not_the_scale():
+    rate = PromptRate((1, 2, 4), (0.1, 0.15, 0.2))
+    rate.observe(4, 0.6, shifted=True)  # the tokens' 0.2 s, and 0.4 s re-rotating the context
+    assert rate.scale == 1.0 and rate.shift == pytest.approx(0.4)
+    assert rate.seconds(4, shifted=True) == pytest.approx(0.6) and rate.seconds(4) == pytest.approx(0.2)
+    assert rate.tokens_within(0.5, shifted=True) == 1 and rate.tokens_within(0.5) == 9
+    rate.observe(0, 0.2, shifted=True)  # a shift alone, cheaper this time: the estimate follows
+    assert 0.2 < rate.shift < 0.4 and rate.scale == 1.0

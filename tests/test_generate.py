@@ -114,6 +114,18 @@ def test_a_generation_cancelled_before_it_begins_leaves_the_cache_as_it_was(smol
         assert list(e.slots[0].cache.tokens) == held
 
 
+def test_a_generation_past_its_deadline_ends_at_its_first_token(smollm_path):
+    # An editor's answer is due at a time (GenerationConfig.deadline): a prompt that took past it leaves one token.
+    import time
+
+    with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512, n_threads=2)) as e:
+        prompt = "Count to fifty: one, two, three,"
+        free = e.generate(prompt, GenerationConfig(max_tokens=8, time_limit=60.0))
+        due = e.generate(prompt, GenerationConfig(max_tokens=8, time_limit=60.0, deadline=time.perf_counter()))
+        assert free.stats.completion_tokens == 8 and due.stats.completion_tokens == 1
+        assert due.finish_reason == "length" and due.tokens == free.tokens[:1]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

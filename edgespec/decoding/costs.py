@@ -89,37 +89,52 @@ class CostTracker:
 class PromptRate:
     """Seconds to evaluate n new prompt tokens: the calibrated t(B) curve (B up to its largest batch, each batch
     beyond at the largest's cost), scaled by what prefills actually took. A few new tokens cost far more per token
-    than a long prompt (a small batch runs slower kernels), and an editor's next request is a few new tokens."""
+    than a long prompt (a small batch runs slower kernels), and an editor's next request is a few new tokens.
+
+    A prefill that moved cached chunks also paid for llama.cpp's re-rotation of every cell of the context, a cost
+    of the context's size, not of the tokens: it is learned apart (`shift`), so it neither inflates the scale nor
+    is forgotten where a prompt needs it."""
 
     def __init__(self, batches: Sequence[int] = (), seconds: Sequence[float] = (), decay: float = COST_DECAY) -> None:
         self.batches, self.seconds_of = tuple(batches), tuple(seconds)
         self.decay, self.scale = decay, 1.0
+        self.shift: float | None = None  # seconds of one re-rotation, once a prefill with one was seen
 
     @property
     def known(self) -> bool:
         return bool(self.batches)
 
-    def seconds(self, tokens: int) -> float:
-        """Predicted seconds for a prefill of `tokens` new tokens (0 for none)."""
+    def seconds(self, tokens: int, shifted: bool = False) -> float:
+        """Predicted seconds for a prefill of `tokens` new tokens (0 for none), after moving cached chunks."""
+        extra = (self.shift or 0.0) if shifted else 0.0
         if tokens <= 0 or not self.known:
-            return 0.0
+            return extra
         b, t = self.batches, self.seconds_of
         full, rest = divmod(tokens, b[-1])
-        return self.scale * (full * t[-1] + (_interpolate(b, t, rest) if rest else 0.0))
+        return extra + self.scale * (full * t[-1] + (_interpolate(b, t, rest) if rest else 0.0))
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        """A prefill of `tokens` new tokens took `seconds`: the scale follows it, at most 2x per observation."""
-        if tokens <= 0 or seconds <= 0 or not self.known:
+    def observe(self, tokens: int, seconds: float, shifted: bool = False) -> None:
+        """A prefill of `tokens` new tokens took `seconds`: the scale follows it, at most 2x per observation; one
+        that `shifted` the cache teaches the re-rotation's cost instead (what it took past the tokens' price)."""
+        if seconds <= 0 or not self.known:
+            return
+        if shifted:
+            past = max(0.0, seconds - self.seconds(tokens))
+            self.shift = past if self.shift is None else self.decay * self.shift + (1 - self.decay) * past
+            return
+        if tokens <= 0:
             return
         ratio = seconds / (self.seconds(tokens) / self.scale)
         self.scale = self.decay * self.scale + (1 - self.decay) * min(max(ratio, self.scale / 2), self.scale * 2)
 
-    def tokens_within(self, seconds: float) -> int | None:
-        """The most new prompt tokens predicted to fit in `seconds` (None while nothing is calibrated)."""
+    def tokens_within(self, seconds: float, shifted: bool = False) -> int | None:
+        """The most new prompt tokens predicted to fit in `seconds`, after moving cached chunks when `shifted`
+        (None while nothing is calibrated)."""
         if not self.known:
             return None
+        seconds -= (self.shift or 0.0) if shifted else 0.0
         per_batch = self.seconds(self.batches[-1])
-        n = self.batches[-1] * int(seconds // per_batch) if per_batch > 0 else 0
+        n = self.batches[-1] * int(max(seconds, 0.0) // per_batch) if per_batch > 0 else 0
         left = seconds - self.seconds(n)
         # within one batch the curve is not monotonic (kernels switch with the size): the largest size that fits
         return n + max((k for k in range(self.batches[-1]) if self.seconds(k) <= left + 1e-9), default=0)

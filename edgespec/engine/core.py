@@ -268,7 +268,8 @@ class Engine:
                                                    generation.chunks(slot, prompt_tokens, run)):
                     # a prefill in the context's batches (a background one runs in small batches, at another rate)
                     if (s := chunk.stats) is not None and chunk.finish_reason != "cancelled" and not config.prompt_batch:
-                        self.prompt_rate.observe(s.prompt_tokens - s.cached_prompt_tokens, s.prefill_seconds)
+                        self.prompt_rate.observe(s.prompt_tokens - s.cached_prompt_tokens, s.prefill_seconds,
+                                                 s.shifted_prompt_tokens > 0)
                     yield chunk
         finally:
             if rules is not None:

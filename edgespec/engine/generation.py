@@ -130,8 +130,9 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
             for i, t in enumerate(tokens):
                 piece = run.token_bytes(t)
                 delta.append(indent.push(text.push(piece)))
-                late = config.time_limit is not None and (now - t_first > config.time_limit + TIME_LIMIT_GRACE or
-                                                          b"\n" in piece and now - t_first > config.time_limit)
+                late = (config.deadline is not None and now > config.deadline) or config.time_limit is not None and (
+                    now - t_first > config.time_limit + TIME_LIMIT_GRACE or
+                    b"\n" in piece and now - t_first > config.time_limit)
                 if text.stopped or indent.stopped or late:  # nothing after the end is emitted
                     tokens, from_draft = tokens[: i + 1], from_draft[: i + 1]
                     probs = None if probs is None else probs[: i + 1]

@@ -10,6 +10,7 @@ the cache warms outwards from the cursor and the next request can take more.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -21,6 +22,9 @@ from edgespec.engine.slots import Slot
 from edgespec.prompts.fim import FimPrompt, Infill, Kept
 
 WIDEN_LINES_STEP = 4  # of fim.FIT_STEPS: a background step adds 1/64 of the lines a side, done within a pause
+# Texts kept tokenized: a fit tokenizes the lines of every candidate prompt, and mostly the same ones again on an
+# editor's next request (the same line typed further, its speculative request).
+TOKENIZED_TEXTS = 512
 
 
 @dataclass(frozen=True)
@@ -40,11 +44,14 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
     """The FIM prompt for `infill` on target `m` that leaves `max_tokens` of room, sized for `budget_seconds` of
     prompt evaluation at `rate` (None: as llama.cpp sizes it), in `slot` or else the free slot that can reuse most
     of it. A `warm_up` of extra chunks alone keeps the FIM part the slot holds after them (FimPrompt.warm_up)."""
-    fim = FimPrompt(m.vocab, lambda text: m.tokenize(text, add_special=False, parse_special=False), layout)
+    fim = FimPrompt(m.vocab, lambda text: list(_tokens(m, text)), layout)
     room = m.n_ctx - max_tokens
 
+    def kept_of(s: Slot, tokens: list[int]) -> reuse.Reuse:
+        return reuse.plan(list(s.cache.tokens), tokens, cache_reuse if s.cache.can_shift else 0)
+
     def new_tokens(s: Slot, tokens: list[int]) -> int:
-        return reuse.plan(list(s.cache.tokens), tokens, cache_reuse if s.cache.can_shift else 0).new
+        return kept_of(s, tokens).new
 
     if warm_up and not (infill.prefix or infill.suffix or infill.typed):
         kept = {id(s): fim.warm_up(infill.extra, s.cache.tokens) for s in slots}
@@ -53,17 +60,23 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
         if tokens is not None and len(tokens) <= room:  # else the chunks alone, cut as llama.cpp cuts them (below)
             n = len(infill.extra)
             return InfillPrompt(tokens, Kept((0, 0), (0, 0), (n, n)), chosen, new_tokens(slots[chosen], tokens), None)
-    budget = rate.tokens_within(budget_seconds) if budget_seconds is not None else None
-    if budget is None:
+    if budget_seconds is None or not rate.known:
         tokens, kept = fim.llama_cpp_sizes(infill, m.n_batch, m.n_ctx, max_tokens)
         chosen = _slot_for(slots, slot, lambda s: new_tokens(s, tokens))
         return InfillPrompt(tokens, kept, chosen, new_tokens(slots[chosen], tokens), None)
     widest = fim.fit(infill, room).tokens
     chosen = _slot_for(slots, slot, lambda s: new_tokens(s, widest))
     target = slots[chosen]
+    plan = kept_of(target, widest)  # moving what the slot holds costs a re-rotation before any token's price
+    budget = rate.tokens_within(budget_seconds, len(plan.runs) > (1 if plan.prefix else 0)) or 0
     fitted = fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t))
     return InfillPrompt(fitted.tokens, fitted.kept, chosen, new_tokens(target, fitted.tokens), budget,
                         lambda: fim.widening(infill, room, fitted, WIDEN_LINES_STEP))
+
+
+@functools.lru_cache(maxsize=TOKENIZED_TEXTS)
+def _tokens(m: Model, text: str) -> tuple[int, ...]:
+    return tuple(m.tokenize(text, add_special=False, parse_special=False))
 
 
 def _slot_for(slots: Sequence[Slot], wanted: int | None, cost: Callable[[Slot], int]) -> int:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgespec.config import LLAMA_N_PREDICT, LLAMA_TEMPERATURE, WIDEN_DELAY
+from edgespec.config import ANSWER_SLACK, LLAMA_N_PREDICT, LLAMA_TEMPERATURE, WIDEN_DELAY
 from edgespec.server import logprobs, schemas
 from edgespec.server.http import KEEPALIVE, SSE_HEADERS, guard, sse, sse_guard
 from edgespec.server.service import Service, check_request, in_namespace, prompt_of, request_of, spec
@@ -43,6 +44,7 @@ class LlamaRoutes:
         """llama.cpp's /infill: prefix, suffix and extra files around the cursor, as llama.vim sends them; sized to
         t_max_prompt_ms against what the slot holds (engine.infill). When the budget cut the context, the rest is
         evaluated in the background after the answer, so the next request can take it."""
+        arrival = time.perf_counter()
         body = await self.svc.body_of(request)
         eng = self.svc.engine()
         req = request_of(body, schemas.INFILL, eng, LLAMA_N_PREDICT, LLAMA_TEMPERATURE,
@@ -54,7 +56,8 @@ class LlamaRoutes:
         layout = self.svc.settings.fim_layout
         ip = eng.infill_prompt(schemas.infill(body), min(room, eng.n_ctx // 2), budget, c.slot, c.cache_reuse, layout,
                                warm_up=c.max_tokens == 0)
-        req = dataclasses.replace(req, config=dataclasses.replace(c, slot=ip.slot))
+        due = arrival + budget + c.time_limit + ANSWER_SLACK if budget is not None and c.time_limit else None
+        req = dataclasses.replace(req, config=dataclasses.replace(c, slot=ip.slot, deadline=due))
         report = {"truncated": ip.kept.cut, "infill": {"layout": layout, "budget_tokens": ip.budget_tokens,
                                                        **ip.kept.to_dict()}}
 

@@ -122,7 +122,7 @@ def prefill(target: Target, prompt: Sequence[int], stats: Stats, reuse: bool = T
     (decoding.reuse), in batches of `step` tokens. The last logits row; None if `stop` ended the evaluation early."""
     kept = chunks.plan(target.tokens if reuse else (), prompt, min_chunk if target.can_shift else 0)
     stats.cached_prompt_tokens = kept.reused
-    stats.shifted_prompt_tokens = kept.reused - kept.prefix
+    stats.shifted_prompt_tokens = kept.moved
     return target.evaluate(prompt, [(r.start, r.source, r.length) for r in kept.runs], 1, stop, step)
 
 

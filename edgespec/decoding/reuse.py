@@ -59,6 +59,11 @@ class Reuse:
         """Length of the common prefix kept in place (shift 0 from position 0)."""
         return self.runs[0].length if self.runs and self.runs[0].start == 0 and self.runs[0].source == 0 else 0
 
+    @property
+    def moved(self) -> int:
+        """Tokens kept at a new position (chunk reuse): llama.cpp re-rotates the context's keys for them."""
+        return self.reused - self.prefix
+
     def gaps(self) -> list[tuple[int, int, Run | None]]:
         """(start, end, the run that follows) for each stretch of new tokens, in order; the last has no run."""
         out, at = [], self.prefix

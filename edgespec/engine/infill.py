@@ -67,8 +67,8 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
     widest = fim.fit(infill, room).tokens
     chosen = _slot_for(slots, slot, lambda s: new_tokens(s, widest))
     target = slots[chosen]
-    plan = kept_of(target, widest)  # moving what the slot holds costs a re-rotation before any token's price
-    budget = rate.tokens_within(budget_seconds, len(plan.runs) > (1 if plan.prefix else 0)) or 0
+    # moving what the slot holds costs a re-rotation before any token's price
+    budget = rate.tokens_within(budget_seconds, kept_of(target, widest).moved > 0) or 0
     fitted = fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t))
     return InfillPrompt(fitted.tokens, fitted.kept, chosen, new_tokens(target, fitted.tokens), budget,
                         lambda: fim.widening(infill, room, fitted, WIDEN_LINES_STEP))

@@ -67,10 +67,15 @@ MEMORY_NAMESPACE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQR
 
 
 def default_threads() -> int:
-    """Physical cores: llama.cpp gains nothing from hyper-threads on decode."""
+    """Physical cores this process may run on: llama.cpp gains nothing from hyper-threads on decode, and a thread
+    beyond the cores a cpuset allows (taskset, docker --cpuset-cpus) stalls every barrier of the others."""
     import psutil
 
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    physical = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    if not hasattr(os, "sched_getaffinity"):  # macOS and Windows: no affinity mask to honour
+        return physical
+    logical = psutil.cpu_count() or physical
+    return max(1, min(physical, round(len(os.sched_getaffinity(0)) * physical / logical)))
 
 
 FlashAttn = Literal["auto", "on", "off"]

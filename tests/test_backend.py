@@ -20,7 +20,7 @@ def test_facts_of_smollm(smollm):
 
 
 def test_qwen_pair_shares_one_vocabulary(qwen_path, qwen_draft_path):
-    with Model(qwen_path, LoadConfig(n_ctx=256, n_threads=2)) as t, Model(qwen_draft_path, LoadConfig(n_ctx=256, n_threads=2)) as d:
+    with Model(qwen_path, LoadConfig(n_ctx=256)) as t, Model(qwen_draft_path, LoadConfig(n_ctx=256)) as d:
         assert (t.facts.n_layer, t.facts.n_head_kv, t.facts.head_dim_k) == (28, 2, 128)
         assert t.vocab == d.vocab
         assert t.vocab.eos == 151645 and t.n_vocab == 151936
@@ -53,7 +53,7 @@ def test_batched_rows_of_qwen_move_the_top_two_gap_by_less_than_the_near_tie_bou
     """The premise of the greedy-equality tests (test_speculative.NEAR_TIE_GAP)."""
     from test_speculative import NEAR_TIE_GAP
 
-    with Model(qwen_path, LoadConfig(n_ctx=512, n_threads=2)) as m:
+    with Model(qwen_path, LoadConfig(n_ctx=512)) as m:
         toks = m.tokenize(open(__file__).read())[:180]
         m.decode(toks[:120])
         worst = 0.0
@@ -122,7 +122,7 @@ def test_truncated_gguf(tmp_path, smollm_path):
 
 
 def test_gemma_loads_with_its_own_vocabulary(gemma_path):
-    with Model(gemma_path, LoadConfig(n_ctx=256, n_threads=2)) as g:
+    with Model(gemma_path, LoadConfig(n_ctx=256)) as g:
         assert g.facts.architecture == "gemma3"
         assert g.n_vocab > 200_000
         assert g.detokenize(g.tokenize("hello world", add_special=False)) == "hello world"
@@ -141,7 +141,7 @@ def test_weights_read_into_memory_survive_the_file_being_overwritten_in_place(tm
         import os
         from edgespec.backend import Model
         from edgespec.config import LoadConfig
-        m = Model({str(copy)!r}, LoadConfig(n_ctx=64, n_threads=2, mmap=False))
+        m = Model({str(copy)!r}, LoadConfig(n_ctx=64, mmap=False))
         tokens = m.tokenize("The capital of France is")
         before = m.decode(tokens).argmax()
         os.truncate({str(copy)!r}, 0)  # as `cp other.gguf m.gguf` does first

@@ -16,7 +16,7 @@ STATS = re.compile(r"\[(\d+) prompt tokens(?: \((\d+) reused\))? in [0-9.]+s, (\
 
 def test_terminal_session_reuses_caches_survives_ctrl_c_and_exits(qwen_path, qwen_draft_path):
     child = pexpect.spawn(sys.executable, ["-m", "edgespec.cli", "chat", "-m", str(qwen_path), "--draft",
-                                           str(qwen_draft_path), "--ctx", "2048", "--threads", "2", "-n", "48"],
+                                           str(qwen_draft_path), "--ctx", "2048", "-n", "48"],
                           encoding="utf-8", timeout=180, dimensions=(40, 200))
     try:
         child.expect(">>> ")
@@ -121,7 +121,7 @@ def test_full_context_drops_the_oldest_turns(smollm_path):
     from edgespec import Engine, GenerationConfig, LoadConfig
     from edgespec.engine.session import ChatSession
 
-    with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512, n_threads=2)) as e:
+    with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512)) as e:
         session = ChatSession(e, GenerationConfig(max_tokens=8), system="Be brief.")
         filler = "Remember this list: " + ", ".join(f"item {i}" for i in range(60)) + "."
         for _ in range(4):

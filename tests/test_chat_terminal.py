@@ -21,7 +21,7 @@ REPEAT = "Repeat exactly: the cat sat on the mat. the cat sat on the mat. the ca
 
 
 def chat_args(model: Path, *extra: str) -> list[str]:
-    return ["-m", "edgespec.cli", "chat", "-m", str(model), "--ctx", "1024", "--threads", "2", "-n", "24", *extra]
+    return ["-m", "edgespec.cli", "chat", "-m", str(model), "--ctx", "1024", "-n", "24", *extra]
 
 
 def spawn(model: Path, *extra: str) -> pexpect.spawn:
@@ -95,7 +95,7 @@ def expected_drafted(smollm_path: Path) -> tuple[str, list[str]]:
     """The same answer in this process: its text, and the text of each run of accepted-proposal tokens."""
     from edgespec import Engine, GenerationConfig, LoadConfig
 
-    with Engine(smollm_path, proposer="ngram", k=8, load=LoadConfig(n_ctx=1024, n_threads=2)) as e:
+    with Engine(smollm_path, proposer="ngram", k=8, load=LoadConfig(n_ctx=1024)) as e:
         chunks = list(e.stream(e.chat_tokens([{"role": "user", "content": REPEAT}]), GenerationConfig(max_tokens=24)))
     return "".join(c.text for c in chunks), [c.text[:c.draft_chars] for c in chunks if c.draft_chars]
 

@@ -101,17 +101,43 @@ def test_llama_vscode_models_props_tokenize_template_and_three_completions(serve
 
 def test_continue_autocomplete_and_chat_with_max_tokens_4096(server):
     reqs = requests_of("continue")
-    events, raw = sse(server, "/completion", reqs["autocomplete_llamacpp"]["body"])
-    assert events[-1]["stop"] is True and events[-1]["stop_type"] in ("eos", "word", "limit")
-    assert all(e["stop"] is False and isinstance(e["content"], str) for e in events[:-1])
+    # Continue asks for 4096 tokens and aborts the fetch once its filters have a line (CompletionStreamer): the
+    # stream is read as far as that, and the abort must end the generation (counted as cancelled).
+    before = server.health()["generations"].get("cancelled", 0)
+    text, events = "", []
+    with httpx.stream("POST", server.url + "/completion", json=reqs["autocomplete_llamacpp"]["body"], timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+                text += events[-1]["content"]
+                if "\n" in text.lstrip("\n") or events[-1]["stop"]:
+                    break
+    assert all(isinstance(e["content"], str) for e in events) and text.strip()
+    assert all(e["stop"] is False for e in events[:-1])
+    if not events[-1]["stop"]:
+        deadline = time.monotonic() + 60
+        while server.health()["generations"].get("cancelled", 0) == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert server.health()["generations"].get("cancelled", 0) == before + 1
+    else:
+        assert events[-1]["stop_type"] in ("eos", "word", "limit")
     body = reqs["chat_openai_provider"]["body"]
     assert body["max_tokens"] == 4096  # Continue's default, more than the context has room for
+    # The question with a file attached, as Continue sends an @-mentioned file: most of the context is prompt, so
+    # the answer reaches the end of the room in a few hundred tokens rather than a thousand.
+    system, question = body["messages"]
+    code = (Path(json.__file__).parent / "decoder.py").read_text()[:2400]
+    messages = [system, {**question, "content": f"```python\n{code}\n```\n\n{question['content']}"}]
     c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-    stream = c.chat.completions.create(model=body["model"], messages=body["messages"], max_tokens=4096, stream=True,
+    stream = c.chat.completions.create(model=body["model"], messages=messages, max_tokens=4096, stream=True,
                                        stream_options={"include_usage": True}, temperature=0)
     chunks = list(stream)
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens > 0 and usage.total_tokens <= CTX
+    assert usage.prompt_tokens > CTX // 2
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
 
 
 def test_openai_refuses_what_it_does_not_honour_by_name(server):

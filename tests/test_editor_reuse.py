@@ -161,7 +161,7 @@ def test_a_request_preempts_a_warm_up_in_flight(server):
 def test_positions_stay_contiguous_after_every_shift(smollm_path):
     """After drops, insertions and moves the sequence holds exactly its tokens at 0..n-1 (as many cells as a fresh
     evaluation of them takes), and decoding goes on from there."""
-    with Model(smollm_path, Load(n_ctx=1024, n_threads=2, n_seq=2)) as m:
+    with Model(smollm_path, Load(n_ctx=1024, n_seq=2)) as m:
         s, fresh = m.sequences
         lines = [m.tokenize(f"line {i}: value = {i * i}\n", add_special=False) for i in range(40)]
         windows = [lines[0:30], lines[1:31], lines[1:15] + [lines[35]] + lines[15:31], lines[3:20] + lines[25:38]]
@@ -180,7 +180,7 @@ def test_positions_stay_contiguous_after_every_shift(smollm_path):
 
 def test_a_model_that_cannot_shift_reuses_its_prefix_only_and_says_so(gemma_path):
     """Gemma-3 keeps a sliding-window cache, which llama.cpp cannot shift: chunk reuse falls back to the prefix."""
-    with Engine(EngineConfig(str(gemma_path), proposer="none", load=LoadConfig(n_ctx=2048, n_threads=2),
+    with Engine(EngineConfig(str(gemma_path), proposer="none", load=LoadConfig(n_ctx=2048),
                              memory=False)) as eng:
         assert not eng.target.can_shift
         assert any("cannot shift its KV cache" in n for n in eng.notes)

@@ -21,7 +21,9 @@ def run_cli(*args: str):
 def llama_cpp_python_greedy(path, prompt: str, n: int, flash_attn: bool, n_ctx: int = 1024) -> str:
     from llama_cpp import Llama
 
-    llm = Llama(str(path), n_ctx=n_ctx, n_threads=2, n_threads_batch=2, flash_attn=flash_attn, verbose=False)
+    from edgespec.config import default_threads
+
+    llm = Llama(str(path), n_ctx=n_ctx, n_threads=default_threads(), n_threads_batch=default_threads(), flash_attn=flash_attn, verbose=False)
     try:
         return llm.create_completion(prompt, max_tokens=n, temperature=0.0)["choices"][0]["text"]
     finally:
@@ -35,7 +37,7 @@ def llama_cpp_python_greedy(path, prompt: str, n: int, flash_attn: bool, n_ctx: 
 @pytest.mark.parametrize("which", ["smollm_path", "qwen_path"])
 def test_greedy_matches_llama_cpp_python(which, flash_attn, request):
     path = request.getfixturevalue(which)
-    r = run_cli("generate", "--model", str(path), "--prompt", CODE_PROMPT, "--max-tokens", "48", "--threads", "2",
+    r = run_cli("generate", "--model", str(path), "--prompt", CODE_PROMPT, "--max-tokens", "48",
                 "--ctx", "1024", "--json", "--quiet", "--proposer", "none", "--flash-attn", flash_attn)
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
@@ -54,7 +56,7 @@ def test_json_stats_and_finish_reason_length(smollm_path):
 
 
 def test_chat_uses_the_model_template_and_stops_at_eos(qwen_path):
-    with Engine(qwen_path, proposer="none", load=LoadConfig(n_ctx=512, n_threads=2)) as e:
+    with Engine(qwen_path, proposer="none", load=LoadConfig(n_ctx=512)) as e:
         tokens = e.chat_tokens([{"role": "user", "content": "Reply with just the word: yes"}])
         assert e.target.token_text(tokens[0]) == "<|im_start|>"
         assert "Reply with just the word: yes" in e.target.detokenize(tokens)
@@ -64,7 +66,7 @@ def test_chat_uses_the_model_template_and_stops_at_eos(qwen_path):
 
 def test_seeded_sampling_is_reproducible(smollm_path):
     cfg = GenerationConfig(max_tokens=24, sampling=SamplingConfig(temperature=1.0, seed=11))
-    with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512, n_threads=2)) as e:
+    with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512)) as e:
         a = e.generate("Once upon a time, a cat named Tom", cfg)
         b = e.generate("Once upon a time, a cat named Tom", cfg)
         c = e.generate("Once upon a time, a cat named Tom", GenerationConfig(max_tokens=24, sampling=SamplingConfig(
@@ -74,7 +76,7 @@ def test_seeded_sampling_is_reproducible(smollm_path):
 
 
 def test_stream_never_splits_a_utf8_character(qwen_path):
-    with Engine(qwen_path, proposer="none", load=LoadConfig(n_ctx=512, n_threads=2)) as e:
+    with Engine(qwen_path, proposer="none", load=LoadConfig(n_ctx=512)) as e:
         tokens = e.chat_tokens([{"role": "user", "content": "List 5 rare CJK characters like 龘 and 靐 with their meanings."}])
         chunks = list(e.stream(tokens, GenerationConfig(max_tokens=40)))
         ids = [t for c in chunks for t in c.tokens]
@@ -93,7 +95,7 @@ def _decodes(b: bytes) -> bool:
 
 
 def test_prefix_of_previous_call_is_reused(smollm_path):
-    with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512, n_threads=2)) as e:
+    with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512)) as e:
         first = e.generate("The quick brown fox jumps over the lazy dog. " * 4, GenerationConfig(max_tokens=4))
         again = e.generate("The quick brown fox jumps over the lazy dog. " * 4, GenerationConfig(max_tokens=4))
     assert first.tokens == again.tokens
@@ -104,7 +106,7 @@ def test_a_generation_cancelled_before_it_begins_leaves_the_cache_as_it_was(smol
     # A warm-up preempted before its turn came: it must not evict what the next request reuses.
     import threading
 
-    with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512, n_threads=2)) as e:
+    with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512)) as e:
         e.generate("The quick brown fox jumps over the lazy dog. " * 4, GenerationConfig(max_tokens=4))
         held = list(e.slots[0].cache.tokens)
         cancel = threading.Event()
@@ -118,7 +120,7 @@ def test_a_generation_past_its_deadline_ends_at_its_first_token(smollm_path):
     # An editor's answer is due at a time (GenerationConfig.deadline): a prompt that took past it leaves one token.
     import time
 
-    with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512, n_threads=2)) as e:
+    with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512)) as e:
         prompt = "Count to fifty: one, two, three,"
         free = e.generate(prompt, GenerationConfig(max_tokens=8, time_limit=60.0))
         due = e.generate(prompt, GenerationConfig(max_tokens=8, time_limit=60.0, deadline=time.perf_counter()))

@@ -40,9 +40,10 @@ def test_greedy_output_with_memory_is_the_targets_own(qwen_draft_path, tmp_path,
             return out
 
         monkeypatch.setattr(engine, "generate", recording)
-        first = check_lossless(engine, CASES)  # fills the memory
+        refs: dict = {}  # the target alone, without memory: the same for both passes
+        first = check_lossless(engine, CASES, refs=refs)  # fills the memory
         stats.clear()
-        second = check_lossless(engine, CASES + [("code", t) for t in VARIANTS])  # proposes from it
+        second = check_lossless(engine, CASES + [("code", t) for t in VARIANTS], refs=refs)  # proposes from it
         used = sum(s.cycles_by_proposer.get("memory", 0) for s in stats)
         accepted = sum(s.accepted for s in stats)
         with capsys.disabled():

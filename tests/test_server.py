@@ -32,7 +32,7 @@ class Server:
         # The log goes to a file: a pipe nobody reads fills up and blocks the server at its next log line.
         self.log = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen([sys.executable, "-m", "edgespec.cli", "serve", "-m", str(model), "--port",
-                                      str(self.port), "--threads", "2", "-q", *extra],
+                                      str(self.port), "-q", *extra],
                                      stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         self.statuses: list[int] = []
         deadline = time.time() + 300

@@ -2,6 +2,7 @@
 
 Pure tests, except the last few, which run SmolLM2 through the CLI."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -112,6 +113,19 @@ def test_info_shows_the_config_file_and_the_defaults(monkeypatch):
     assert data["chat history"] == str(history_path())
     write_config("port = 0\n")
     assert "port = 0" in info._user_files()["defaults"]  # a broken file is reported, not fatal
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_threads_default_to_the_cores_the_process_may_run_on():
+    """taskset or a container's cpuset: one allowed core means one llama.cpp thread, not one per core of the host."""
+    code = ("import os; from edgespec.config import default_threads; a = default_threads(); "
+            "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); print(a, default_threads())")
+    full, pinned = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                  check=True).stdout.split()
+    import psutil
+
+    share = len(os.sched_getaffinity(0)) * psutil.cpu_count(logical=False) / psutil.cpu_count()
+    assert (int(full), int(pinned)) == (max(1, round(share)), 1)
 
 
 def test_serve_takes_its_port_from_the_config_file(monkeypatch):

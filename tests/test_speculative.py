@@ -23,7 +23,7 @@ from edgespec.errors import IncompatibleDraftError
 from edgespec.proposers import Proposal
 
 NEAR_TIE_GAP = 0.5
-N_TOKENS = 32
+N_TOKENS = 24
 LOAD = LoadConfig(n_ctx=2048)
 
 CODE = [
@@ -117,6 +117,36 @@ def test_greedy_output_equals_target_only(which, cases, request, capsys):
               f"{tie_share:.1%} of target-only steps were near-ties (gap < {NEAR_TIE_GAP})"
               + "".join(f"\n  {n}" for n in notes))
     assert exact >= len(cases) // 3
+
+
+def test_a_sampled_draft_cut_off_reads_the_distribution_not_the_token_drawn(smollm):
+    """auto's p_min with sampling: a drawn token is never dropped for its own low probability (that would draft
+    from q cut below p_min, and rejection sampling against q would then be biased); a row whose best token is
+    below p_min ends the proposal before drawing."""
+    from edgespec.config import SamplingConfig
+    from edgespec.decoding import sampling
+    from edgespec.proposers.draft import DraftProposer
+
+    context = smollm.tokenize("Once upon a time, in a small village,")
+    cfg = SamplingConfig(temperature=1.5, top_k=40, top_p=1.0, min_p=0.0)
+    smollm.trim(0)
+    ids, probs = sampling.distribution(smollm.decode(context)[-1][: smollm.n_vocab], cfg)
+    smollm.trim(0)
+    best = float(probs.max())
+    below = set(ids[probs < best / 2].tolist())
+    assert sum(probs[probs < best / 2]) > 0.3  # most draws would have been dropped by the old cut-off
+    for p_min, proposes in ((best / 2, True), (min(1.0, best * 1.01), False)):
+        proposer = DraftProposer(smollm, smollm, p_min=p_min)
+        proposer.begin(context, cfg, np.random.default_rng(0))
+        drawn = []
+        for _ in range(40):
+            drawn.append(proposer.propose(context, 1).tokens)
+            proposer.accept(0)
+        smollm.trim(0)
+        if proposes:
+            assert all(len(t) == 1 for t in drawn) and any(t[0] in below for t in drawn), drawn
+        else:
+            assert all(t == [] for t in drawn), drawn
 
 
 def test_self_draft_rejects_only_at_near_ties(qwen_draft_path, monkeypatch, capsys):
@@ -231,9 +261,10 @@ def test_max_tokens_one(draft_engine):
 
 
 @pytest.mark.parametrize("proposer", ["draft", "ngram"])
-def test_prompt_leaving_three_tokens_of_context_with_k8(proposer, qwen_path, qwen_draft_path):
+def test_prompt_leaving_three_tokens_of_context_with_k8(proposer, qwen_draft_path):
+    # the 0.5B coder as target (and as its own draft): the room left is bookkeeping, not a property of the size
     load = LoadConfig(n_ctx=256)
-    with Engine(qwen_path, draft=qwen_draft_path if proposer == "draft" else None, proposer=proposer, k=8,
+    with Engine(qwen_draft_path, draft=qwen_draft_path if proposer == "draft" else None, proposer=proposer, k=8,
                 load=load) as e:
         n_ctx = e.target.n_ctx
         unit = e.tokenize("a b c d e f g h ")

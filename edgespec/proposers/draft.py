@@ -101,16 +101,16 @@ class DraftProposer:
         out = Proposal([], None if self._cfg.greedy else [], "draft")
         for i in range(k):
             row = logits[: self._n_vocab]
-            if self._cfg.greedy:
+            # The cut-off reads the row's best probability, never the token drawn: dropping a drawn token for its
+            # own low probability would draft from q cut below p_min, and rejection sampling against q is then biased.
+            dist = None if self._cfg.greedy else sampling.distribution(row, self._cfg)
+            if (_top_prob(row) if dist is None else float(dist[1].max())) < self.p_min:
+                break
+            if dist is None:
                 tok = sampling.greedy(row)
-                conf = _top_prob(row)
             else:
-                dist = sampling.distribution(row, self._cfg)
                 tok = sampling.draw(*dist, self._rng)
                 out.dists.append(dist)  # type: ignore[union-attr]
-                conf = float(dist[1][dist[0] == tok][0])
-            if conf < self.p_min:
-                break
             out.tokens.append(tok)
             if i == k - 1 or m.is_eog(tok) or m.n_past >= m.n_ctx:
                 break

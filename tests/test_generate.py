@@ -34,7 +34,7 @@ def llama_cpp_python_greedy(path, prompt: str, n: int, flash_attn: bool, n_ctx: 
 # parts at about token 10. llama-cpp-python's Llama defaults to off, llama.cpp (and edgespec) to auto, which
 # is on for these CPU models; so each setting is compared with the same setting.
 @pytest.mark.parametrize("flash_attn", ["on", "off"])
-@pytest.mark.parametrize("which", ["smollm_path", "qwen_path"])
+@pytest.mark.parametrize("which", ["smollm_path", "qwen_draft_path"])  # two architectures, the smallest of each
 def test_greedy_matches_llama_cpp_python(which, flash_attn, request):
     path = request.getfixturevalue(which)
     r = run_cli("generate", "--model", str(path), "--prompt", CODE_PROMPT, "--max-tokens", "48",

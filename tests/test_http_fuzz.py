@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_server import Server
 
-EXAMPLES = 120
+EXAMPLES = 100
 
 SAMPLING = ["temperature", "top_k", "top_p", "min_p", "seed", "stop", "stream", "cache_prompt", "model", "samplers",
             "n_indent", "t_max_predict_ms", "id_slot", "speculative", "speculative.n_max", "logprobs", "tools",

@@ -28,7 +28,7 @@ from test_speculative import CHAT, CODE, PROSE, check_lossless
 EXPORT_TIE_GAP = 1.0
 LOAD = LoadConfig(n_ctx=1024)
 PROMPTS = [*CODE, *PROSE]  # 8
-N = 24
+N = 16
 
 
 @pytest.fixture(scope="module")

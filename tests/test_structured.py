@@ -85,7 +85,8 @@ def constrained_reference(engine: Engine, prompt: list[int], config: GenerationC
     row = m.decode(prompt)[-1]
     out, gaps = [], []
     for _ in range(config.max_tokens):
-        order = np.argsort(-row)[:4096]
+        top = np.argpartition(-row, 4096)[:4096]
+        order = top[np.argsort(-row[top])]
         admitted = order[grammar.allowed(order)]
         gaps.append(float(row[admitted[0]] - row[admitted[1]]) if len(admitted) > 1 else np.inf)
         tok = int(admitted[0])

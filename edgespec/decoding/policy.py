@@ -15,7 +15,7 @@ from typing import Sequence
 
 # An n-gram bet is made only if it still pays with every estimate one standard error lower (docs/policy.md).
 CONFIDENCE_Z = 1.0
-DRAFT_P_MIN = 0.5  # a draft token the draft itself rates below this is not worth verifying
+DRAFT_P_MIN = 0.5  # drafting stops at a row whose best token the draft itself rates below this
 # Acceptance per position a same-family draft reaches on favourable text (FACTS.md: 93% on code edits);
 # a draft that cannot pay even at this rate is not worth its memory.
 DRAFT_ACCEPT_CEILING = 0.9

@@ -23,8 +23,11 @@ def pytest_configure(config) -> None:
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto`: a worker per core, up to four (each loads its own models)."""
-    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    """`-n auto`: a worker per core this process may run on (as llama.cpp's threads count them), up to four (each
+    loads its own models)."""
+    from edgespec.config import default_threads
+
+    return min(4, default_threads())
 
 
 @pytest.fixture(autouse=True)

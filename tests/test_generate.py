@@ -23,7 +23,9 @@ def llama_cpp_python_greedy(path, prompt: str, n: int, flash_attn: bool, n_ctx: 
 
     from edgespec.config import default_threads
 
-    llm = Llama(str(path), n_ctx=n_ctx, n_threads=default_threads(), n_threads_batch=default_threads(), flash_attn=flash_attn, verbose=False)
+    threads = default_threads()  # edgespec's own default, so that both sides run alike
+    llm = Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn,
+                verbose=False)
     try:
         return llm.create_completion(prompt, max_tokens=n, temperature=0.0)["choices"][0]["text"]
     finally:

@@ -6,7 +6,7 @@ import pytest
 from edgespec.decoding import reuse
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
 from edgespec.gguf import Vocab
-from edgespec.prompts.fim import NEAR_LINES, FimPrompt, Infill, Take
+from edgespec.prompts.fim import NEAR_LINES, SUFFIX_LINES, FimPrompt, Infill, Take, cursor_anchor
 
 PRE, SUF, MID, REP, SEP = 1001, 1002, 1003, 1004, 1005
 QWEN_LIKE = Vocab(n_tokens=2000, type=2, bos=None, eos=1, add_bos=False, fim_pre=PRE, fim_suf=SUF,
@@ -53,11 +53,11 @@ def test_take_counts_whole_lines_from_the_cursor_outwards():
 def test_fit_keeps_the_lines_nearest_the_cursor_within_the_new_token_budget():
     fim = FimPrompt(PLAIN, chars)
     infill = Infill("".join(f"p{i:02d}\n" for i in range(40)), "".join(f"s{i:02d}\n" for i in range(40)))
-    full = fim.fit(infill, room=10_000)
-    assert not full.kept.cut and len(full.tokens) == 3 + 80 * 4
-    cut = fim.fit(infill, room=10_000, max_new=3 + 2 * 4 * 10)  # every token new: 10 lines a side
-    assert cut.kept.cut and cut.kept.prefix_tokens == (40, 160) and cut.kept.suffix_tokens == (40, 160)
-    assert cut.tokens[1:5] == chars("p30\n") and cut.tokens[-5:-1] == chars("s09\n")
+    full = fim.fit(infill, room=10_000)  # all of the prefix, the suffix's nearest lines
+    assert full.kept.prefix_tokens == (160, 160) and full.kept.suffix_tokens == (4 * SUFFIX_LINES, 160)
+    cut = fim.fit(infill, room=10_000, max_new=3 + 4 * 10 + 4 * SUFFIX_LINES)  # every token new: 10 prefix lines
+    assert cut.kept.cut and cut.kept.prefix_tokens == (40, 160) and cut.kept.suffix_tokens == (4 * SUFFIX_LINES, 160)
+    assert cut.tokens[1:5] == chars("p30\n") and cut.tokens[-5:-1] == chars(f"s{SUFFIX_LINES - 1:02d}\n")
 
 
 def test_fit_counts_only_what_the_cache_cannot_reuse():
@@ -82,7 +82,7 @@ def test_widening_grows_outwards_and_ends_with_everything_that_fits():
     infill = Infill("".join(f"p{i:02d}\n" for i in range(64)), "".join(f"s{i:02d}\n" for i in range(64)))
     start = fim.fit(infill, room=10_000, max_new=3 + 2 * 4 * 8)
     wider = list(fim.widening(infill, 10_000, start, 8))
-    assert wider and wider[-1] == fim.tokens(infill)[0]
+    assert wider and wider[-1] == fim.tokens(infill, Take(None, SUFFIX_LINES))[0]
     sizes = [len(start.tokens), *map(len, wider)]
     assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes)
 
@@ -106,8 +106,8 @@ def test_a_line_over_the_budget_keeps_everything_cached_around_it():
     cached = fim.tokens(Infill("".join(lines[:199]), "".join(lines[200:264])))[0]
     moved = Infill("".join(lines[:200]), "".join(lines[201:265]))
     f = fim.fit(moved, room=10_000, max_new=1, new_tokens=lambda t: reuse.plan(cached, t, 4).new)
-    # all but the far ends, where the window took a line the cache does not hold
-    assert f.kept.prefix_tokens[0] >= 190 and f.kept.suffix_tokens[0] >= 60, f.kept
+    # all but the far end, where the window took a line the cache does not hold; the suffix's nearest lines
+    assert f.kept.prefix_tokens[0] >= 190 and f.kept.suffix_tokens[0] == SUFFIX_LINES, f.kept
 
 
 def test_the_typed_text_alone_when_the_nearest_lines_do_not_fit_the_room():
@@ -123,3 +123,14 @@ def test_room_too_small_for_the_typed_text_is_a_clear_400():
 def test_model_without_fim_tokens_is_refused():
     with pytest.raises(UnsupportedModelError, match="fill-in-the-middle"):
         FimPrompt(Vocab(**{**QWEN_LIKE.__dict__, "fim_pre": None}), chars)
+
+
+def test_the_anchor_is_the_start_of_the_line_before_the_cursor():
+    pieces = lambda t: chr(t).encode() if t < 1000 else b""  # noqa: E731
+    toks, _, _ = FimPrompt(QWEN_LIKE, chars).tokens(Infill("l1\nl2\nl3\n", "s1\n", "  x", (("u.py", "T\nU\n"),)))
+    assert toks[cursor_anchor(toks, QWEN_LIKE, pieces):toks.index(SUF)] == chars("l3\n  x")
+    spm = [SUF, *chars("s1\n"), PRE, *chars("l1\nl2\n  x"), MID]  # suffix first: the cursor is at <fim_middle>
+    assert spm[cursor_anchor(spm, QWEN_LIKE, pieces):] == [*chars("l2\n  x"), MID]
+    assert cursor_anchor(chars("no fim here\n"), QWEN_LIKE, pieces) is None
+    short = FimPrompt(PLAIN, chars).tokens(Infill("", "s1\n", "x"))[0]
+    assert cursor_anchor(short, PLAIN, pieces) == 1  # no line before the cursor: the prefix's start

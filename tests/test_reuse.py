@@ -86,3 +86,19 @@ def test_every_run_matches_and_runs_are_in_order_on_both_sides(cache, prompt, n)
     assert r.new == len(prompt) - sum(run.length for run in r.runs)
     if prompt:
         assert r.new >= 1
+
+
+def test_runs_start_before_the_anchor_only():
+    """Past an anchor (a FIM prompt's cursor lines) a run that moved is evaluated again: its entries still hold the
+    text that was before them. A run that starts before the anchor keeps its length past it: the text around the
+    anchor did not change."""
+    text, after = lines(40), lines(10, seed=1)
+    old = fim(text[0:30], after)
+    new = fim(text[1:30] + [[7, 7]], after)  # a line dropped at the top, one written at the cursor
+    anchor = 1 + 28 * 8
+    r = plan(old, new, 8, anchor)
+    assert all(run.start < anchor for run in r.runs)
+    assert r.new == 2 + 1 + 10 * 8 + 1  # the written line, and all from the suffix token on
+    whole = plan(old, fim(text[1:30], after), 8, anchor)  # only the top line dropped: one run on past the anchor
+    assert whole.runs[-1].start < anchor and whole.new == 1
+    assert plan(old, new, 8, None).new == 2 + 1  # no anchor: the suffix moves too

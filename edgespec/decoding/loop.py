@@ -116,11 +116,13 @@ class Stats:
 
 
 def prefill(target: Target, prompt: Sequence[int], stats: Stats, reuse: bool = True, min_chunk: int = 0,
-            stop: Callable[[], bool] | None = None, step: int | None = None) -> np.ndarray | None:
+            stop: Callable[[], bool] | None = None, step: int | None = None, anchor: int | None = None
+            ) -> np.ndarray | None:
     """Evaluate the prompt, keeping what the cache holds of it: the common prefix (nothing if not `reuse`) and, with
-    `min_chunk` > 0 where the cache can shift, every later run of at least that many tokens that only moved
-    (decoding.reuse), in batches of `step` tokens. The last logits row; None if `stop` ended the evaluation early."""
-    kept = chunks.plan(target.tokens if reuse else (), prompt, min_chunk if target.can_shift else 0)
+    `min_chunk` > 0 where the cache can shift, every later run of at least that many tokens that only moved and
+    starts before `anchor` (decoding.reuse), in batches of `step` tokens. The last logits row; None if `stop` ended
+    the evaluation early."""
+    kept = chunks.plan(target.tokens if reuse else (), prompt, min_chunk if target.can_shift else 0, anchor)
     stats.cached_prompt_tokens = kept.reused
     stats.shifted_prompt_tokens = kept.moved
     return target.evaluate(prompt, [(r.start, r.source, r.length) for r in kept.runs], 1, stop, step)
@@ -181,18 +183,19 @@ def _pick(row: np.ndarray, history: Sequence[int], sc: SamplingConfig, rng: np.r
 
 def steps(target: Target, proposer: Proposer | None, prompt: list[int], config: GenerationConfig, stats: Stats,
           cancel: threading.Event, k_max: int, user_k: int | None = None, reuse: bool = True,
-          clock: Clock = time.perf_counter, rules: Rules | None = None) -> Iterator[Step]:
+          clock: Clock = time.perf_counter, rules: Rules | None = None, anchor: int | None = None) -> Iterator[Step]:
     """Committed tokens, one cycle at a time, with the finish reason on the last cycle.
 
     Invariant between cycles: the target cache holds committed[:-1]; the last
     committed token is decoded at the head of the next cycle's batch. `rules`
-    (a grammar, penalties, logit bias) shape every row the target is read at.
+    (a grammar, penalties, logit bias) shape every row the target is read at; `anchor`: where cached runs stop
+    moving (prefill).
     """
     sc, n_probs, rng = config.sampling, config.logprobs, config.sampling.rng()
     room = target.n_ctx - len(prompt)
     limit = room if config.max_tokens is None else min(config.max_tokens, room)
     t0 = clock()
-    logits = prefill(target, prompt, stats, reuse, config.cache_reuse, cancel.is_set, config.prompt_batch)
+    logits = prefill(target, prompt, stats, reuse, config.cache_reuse, cancel.is_set, config.prompt_batch, anchor)
     stats.prefill_seconds = clock() - t0
     t1 = clock()
     if logits is None:  # cancelled while the prompt was evaluated: what was evaluated stays for the next request

@@ -7,7 +7,10 @@ line: its first line dropped, a new line added before the suffix, the suffix kep
 sides, nearest first, each extended as far as it matches. Pure: it reads token lists, the backend moves the KV.
 
 A shifted entry was computed with other text before it, so what follows is close to a fresh evaluation, not the
-same; only the common prefix is exact.
+same; only the common prefix is exact. Close enough far from what changed, not near it: an entry holds what the
+model made of the text before it, so a FIM suffix kept from before a keystroke still "sees" the old cursor line,
+and completions go wrong (docs/bench/editor.md). So a prompt may name an `anchor` (prompts.fim.cursor_anchor), from
+which on moved runs are not taken: a run must start before it, where the text that follows is unchanged with it.
 """
 
 from __future__ import annotations
@@ -86,30 +89,32 @@ def common_prefix(cache: Sequence[int], prompt: Sequence[int]) -> int:
     return int(diff[0]) if diff.size else n
 
 
-def plan(cache: Sequence[int], prompt: Sequence[int], min_chunk: int = 0) -> Reuse:
+def plan(cache: Sequence[int], prompt: Sequence[int], min_chunk: int = 0, anchor: int | None = None) -> Reuse:
     """What of `cache` the KV keeps for `prompt`. The prompt's last token is never reused: its logits are needed.
 
-    `min_chunk` 0 keeps the common prefix only (exact reuse); N > 0 also keeps each later run of at least N tokens.
+    `min_chunk` 0 keeps the common prefix only (exact reuse); N > 0 also keeps each later run of at least N tokens
+    that starts before `anchor` (None: anywhere).
     """
     limit = max(len(prompt) - 1, 0)
     head = common_prefix(cache, prompt[:limit])
     runs = [Run(0, 0, head)] if head else []
-    if min_chunk > 0 and limit - head >= min_chunk and len(cache) - head >= min_chunk:
+    starts = limit if anchor is None else min(anchor, limit)
+    if min_chunk > 0 and limit - head >= min_chunk and len(cache) - head >= min_chunk and starts > head:
         runs += _moved_runs(np.asarray(cache, dtype=np.int64), np.asarray(prompt[:limit], dtype=np.int64), head,
-                            min_chunk)
+                            min_chunk, starts)
     return Reuse(tuple(runs), len(prompt))
 
 
-def _moved_runs(cache: np.ndarray, prompt: np.ndarray, head: int, n: int) -> list[Run]:
-    """Greedy in prompt order: at the first prompt position whose next n tokens occur in the cache after the last
-    run, take the occurrence that matches furthest, extend it, and go on after it on both sides."""
+def _moved_runs(cache: np.ndarray, prompt: np.ndarray, head: int, n: int, starts: int) -> list[Run]:
+    """Greedy in prompt order: at the first prompt position (before `starts`) whose next n tokens occur in the cache
+    after the last run, take the occurrence that matches furthest, extend it, and go on after it on both sides."""
     c_hash, p_hash = _window_hashes(cache, n), _window_hashes(prompt, n)
     where: dict[int, list[int]] = {}
     for i in range(head, len(c_hash)):
         where.setdefault(int(c_hash[i]), []).append(i)
     runs: list[Run] = []
     c, p = head, head
-    while p < len(p_hash) and c < len(c_hash):
+    while p < min(len(p_hash), starts) and c < len(c_hash):
         best_len, best_src = 0, -1
         for src in where.get(int(p_hash[p]), ()):
             if src < c:

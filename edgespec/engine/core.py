@@ -31,7 +31,7 @@ from edgespec.onnx.files import is_onnx, locate
 from edgespec.paths import calibration_dir, memory_dir
 from edgespec.planning.plan import gpu_short_error, settle
 from edgespec.prompts import chat
-from edgespec.prompts.fim import Infill
+from edgespec.prompts.fim import Infill, cursor_anchor
 from edgespec.proposers import Proposer
 from edgespec.proposers.auto import AutoProposer
 from edgespec.proposers.draft import DraftProposer, check_compatible
@@ -256,8 +256,10 @@ class Engine:
         generation.proposer_for(self.slots[0], config)  # an impossible choice fails here, before any waiting
         rules = Rules.of(config.sampling, self.grammar(config), self.target.infill_keep)  # as does a bad grammar
         k = config.k if self.config.k is None or config.k is None else min(config.k, self.config.k)
+        t = self.target
+        anchor = cursor_anchor(prompt_tokens, t.vocab, t.token_bytes) if config.cache_reuse else None
         run = generation.Run(config, stop, cancel or threading.Event(), rules, self.plan.k_max, k,
-                             self.target.token_bytes, self.pool.turns)
+                             self.target.token_bytes, self.pool.turns, anchor)
         memory = self.memory.get(config.memory) if self.memory is not None and config.memory is not None else None
         try:
             with self.pool.taken(prompt_tokens, run.cancel, config.slot) as slot:

@@ -106,6 +106,7 @@ class Run:
     k: int | None  # the tighter of the engine's -k and the request's k
     token_bytes: Callable[[int], bytes]
     turns: Callable[[Iterator[loop.Step]], Iterator[loop.Step]]  # the slot pool's turn-taking
+    anchor: int | None = None  # where the prompt's cached runs stop moving (prompts.fim.cursor_anchor)
 
 
 def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
@@ -116,11 +117,12 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
         return
     config = run.config
     for drafter in _drafters(slot.proposer):
-        drafter.cache_reuse = config.cache_reuse
+        drafter.cache_reuse, drafter.reuse_anchor = config.cache_reuse, run.anchor
     text, indent = TextStream(run.stop), IndentLimit(config.min_indent)
     finish: FinishReason = "length"
     steps = run.turns(loop.steps(slot.cache, proposer_for(slot, config), prompt, config, stats, run.cancel,
-                                 run.k_max, run.k, reuse=config.reuse_prefix, rules=run.rules))
+                                 run.k_max, run.k, reuse=config.reuse_prefix, rules=run.rules,
+                                 anchor=run.anchor))
     t_first = None
     try:
         for tokens, from_draft, done, probs in steps:

@@ -19,7 +19,7 @@ from edgespec.backend import Model
 from edgespec.decoding import reuse
 from edgespec.decoding.costs import PromptRate
 from edgespec.engine.slots import Slot
-from edgespec.prompts.fim import FimPrompt, Infill, Kept
+from edgespec.prompts.fim import FimPrompt, Infill, Kept, cursor_anchor
 
 WIDEN_LINES_STEP = 4  # of fim.FIT_STEPS: a background step adds 1/64 of the lines a side, done within a pause
 # Texts kept tokenized: a fit tokenizes the lines of every candidate prompt, and mostly the same ones again on an
@@ -47,8 +47,9 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
     fim = FimPrompt(m.vocab, lambda text: list(_tokens(m, text)), layout)
     room = m.n_ctx - max_tokens
 
-    def kept_of(s: Slot, tokens: list[int]) -> reuse.Reuse:
-        return reuse.plan(list(s.cache.tokens), tokens, cache_reuse if s.cache.can_shift else 0)
+    def kept_of(s: Slot, tokens: list[int]) -> reuse.Reuse:  # as the generation will keep it (Engine.stream)
+        anchor = cursor_anchor(tokens, m.vocab, m.token_bytes) if cache_reuse else None
+        return reuse.plan(list(s.cache.tokens), tokens, cache_reuse if s.cache.can_shift else 0, anchor)
 
     def new_tokens(s: Slot, tokens: list[int]) -> int:
         return kept_of(s, tokens).new

@@ -28,6 +28,10 @@ FIT_STEPS = 256  # resolution of the search over how many lines to keep: a step 
 # Lines before the cursor a budget never leaves out (and the suffix's lines in proportion). While the user types,
 # they slide with the cursor and cost only the line just written (the rest is cached, moved); a cold cache pays once.
 NEAR_LINES = 8
+# Suffix lines a budgeted prompt takes at most: past the cursor nothing moved is reused (cursor_anchor), so the suffix
+# is evaluated again on every keystroke, and a completion's first line needs little more than the lines after it.
+SUFFIX_LINES = 2
+ANCHOR_SCAN = 512  # tokens before the cursor searched for the line before it (cursor_anchor); a longer line ends it
 T = TypeVar("T")
 
 
@@ -196,6 +200,25 @@ class FimPrompt:
             yield prompt
 
 
+def cursor_anchor(prompt: Sequence[int], vocab: Vocab, piece: Callable[[int], bytes]) -> int | None:
+    """Where in a FIM prompt cached entries stop being reusable at a new position (decoding.reuse): the start of the
+    line before the cursor. Past it an entry moved from an older prompt still holds the old cursor line; kept, it
+    sends completions astray (a FIM suffix computed before the last keystroke turned 7 of 10 right completions
+    wrong: docs/bench/editor.md). None when the prompt has no FIM prefix token."""
+    if vocab.fim_pre is None or vocab.fim_suf is None or vocab.fim_pre not in prompt:
+        return None
+    pre = len(prompt) - 1 - prompt[::-1].index(vocab.fim_pre)
+    # the cursor: where the prefix ends, at <fim_suffix> after it (PSM), else at <fim_middle> (SPM) or the end
+    ends = [i for i in range(pre + 1, len(prompt)) if prompt[i] in (vocab.fim_suf, vocab.fim_mid)]
+    cursor = ends[0] if ends else len(prompt)
+    newlines = 0
+    for i in range(cursor - 1, max(pre, cursor - ANCHOR_SCAN), -1):
+        newlines += piece(prompt[i]).count(b"\n")
+        if newlines >= 2:
+            return i + 1
+    return pre + 1
+
+
 @dataclass(frozen=True)
 class Fitted:
     """A prompt `fit` chose: its tokens, what it kept, its lines step and how many extra chunks it holds."""
@@ -207,9 +230,10 @@ class Fitted:
 
 
 def _share(infill: Infill, step: int, extra: int | None) -> Take:
-    """`step`/FIT_STEPS of each side's lines, nearest first, and the `extra` latest chunks."""
+    """`step`/FIT_STEPS of each side's lines, nearest first (of the suffix's, SUFFIX_LINES at most), and the `extra`
+    latest chunks."""
     n_pre = math.ceil(step * len(infill.prefix.splitlines()) / FIT_STEPS)
-    n_suf = math.ceil(step * len(infill.suffix.splitlines()) / FIT_STEPS)
+    n_suf = min(math.ceil(step * len(infill.suffix.splitlines()) / FIT_STEPS), SUFFIX_LINES)
     return Take(n_pre, n_suf, extra)
 
 

@@ -64,6 +64,7 @@ class DraftProposer:
         self._rng = np.random.default_rng()
         self._base = 0
         self.cache_reuse = 0  # the generation's n_cache_reuse: the draft's cache reuses moved chunks as the target's
+        self.reuse_anchor: int | None = None  # and where they stop moving (decoding.reuse)
         # Seconds per drafted token in the last proposal that needed no catch-up; None otherwise.
         self.last_seconds_per_token: float | None = None
 
@@ -80,7 +81,7 @@ class DraftProposer:
         m = self.cache
         if not (self.cache_reuse and m.can_shift):
             return len(context) - m.shared_prefix(context)
-        return chunks.plan(m.tokens, context, self.cache_reuse).new
+        return chunks.plan(m.tokens, context, self.cache_reuse, self.reuse_anchor).new
 
     def begin(self, prompt: Sequence[int], cfg: SamplingConfig, rng: np.random.Generator) -> None:
         self._cfg, self._rng = cfg, rng  # the prompt itself is decoded lazily by the first propose
@@ -94,7 +95,7 @@ class DraftProposer:
             return Proposal()
         # What the draft lacks: the last token, and all that was committed while it was not used (with the
         # generation's cache reuse, as the target's own cache).
-        kept = chunks.plan(m.tokens, context, self.cache_reuse if m.can_shift else 0)
+        kept = chunks.plan(m.tokens, context, self.cache_reuse if m.can_shift else 0, self.reuse_anchor)
         lag = len(context) - kept.reused
         t0 = time.perf_counter()
         logits = m.evaluate(context, [(r.start, r.source, r.length) for r in kept.runs])[-1]

@@ -106,8 +106,8 @@ def test_a_line_over_the_budget_keeps_everything_cached_around_it():
     cached = fim.tokens(Infill("".join(lines[:199]), "".join(lines[200:264])))[0]
     moved = Infill("".join(lines[:200]), "".join(lines[201:265]))
     f = fim.fit(moved, room=10_000, max_new=1, new_tokens=lambda t: reuse.plan(cached, t, 4).new)
-    # all but the far end, where the window took a line the cache does not hold; the suffix's nearest lines
-    assert f.kept.prefix_tokens[0] >= 190 and f.kept.suffix_tokens[0] == SUFFIX_LINES, f.kept
+    # all but the far ends, where the window took a line the cache does not hold (past SUFFIX_LINES: cached lines)
+    assert f.kept.prefix_tokens[0] >= 190 and f.kept.suffix_tokens[0] >= 60, f.kept
 
 
 def test_the_typed_text_alone_when_the_nearest_lines_do_not_fit_the_room():

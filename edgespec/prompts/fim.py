@@ -179,7 +179,12 @@ class FimPrompt:
                 raise InvalidRequestError(f"the typed text and FIM tokens take {alone} tokens, more than the {room} "
                                           f"available for the prompt; send a shorter 'prompt'")
             return Fitted(built[0], self.kept(infill, built[1], built[2], 0), 0, 0)
-        n_extra, with_extra = _largest(len(infill.extra), lambda e: fits(_share(infill, step, e), max_new))
+        cap: int | None = SUFFIX_LINES
+        if max_new is not None:  # the suffix's further lines where the cache holds them unchanged: they cost nothing
+            wide = self.tokens(infill, _share(infill, step, 0, None))
+            if len(wide[0]) <= room and new_tokens(wide[0]) <= (lines(step)[1] or 0):
+                cap, built = None, wide
+        n_extra, with_extra = _largest(len(infill.extra), lambda e: fits(_share(infill, step, e, cap), max_new))
         prompt, pre, suf = with_extra or built
         return Fitted(prompt, self.kept(infill, pre, suf, n_extra), step, n_extra)
 
@@ -229,11 +234,12 @@ class Fitted:
     extra_chunks: int
 
 
-def _share(infill: Infill, step: int, extra: int | None) -> Take:
-    """`step`/FIT_STEPS of each side's lines, nearest first (of the suffix's, SUFFIX_LINES at most), and the `extra`
+def _share(infill: Infill, step: int, extra: int | None, suffix_cap: int | None = SUFFIX_LINES) -> Take:
+    """`step`/FIT_STEPS of each side's lines, nearest first (of the suffix's, `suffix_cap` at most), and the `extra`
     latest chunks."""
     n_pre = math.ceil(step * len(infill.prefix.splitlines()) / FIT_STEPS)
-    n_suf = min(math.ceil(step * len(infill.suffix.splitlines()) / FIT_STEPS), SUFFIX_LINES)
+    n_suf = math.ceil(step * len(infill.suffix.splitlines()) / FIT_STEPS)
+    n_suf = n_suf if suffix_cap is None else min(n_suf, suffix_cap)
     return Take(n_pre, n_suf, extra)
 
 

@@ -41,6 +41,8 @@ _FLASH_ATTN = {"auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO, "on": llama_cpp.LLA
                "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED}
 # ggml_log_level: 1 debug, 2 info, 3 warn, 4 error, 5 continuation; info is load chatter, so DEBUG here.
 _LEVELS = {3: logging.WARNING, 4: logging.ERROR}
+# What llama.cpp says of a batch the abort callback ended (GGML_STATUS_ABORTED, llama_decode's 2).
+_ABORTED = re.compile(r"failed with error 1$|compute status: 1$|ret = 2$|removing memory module entries")
 # llama.cpp's last error lines, quoted in our own error messages.
 _recent_errors: collections.deque[str] = collections.deque(maxlen=4)
 
@@ -49,6 +51,8 @@ _recent_errors: collections.deque[str] = collections.deque(maxlen=4)
 def _on_llama_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     # llama.cpp is chatty on stderr; route it to logging so the CLI decides what shows.
     msg = text.decode("utf-8", "replace").rstrip()
+    if _ABORTED.search(msg):  # a batch ended by Model.abort, as asked: no error
+        level = 1
     if level == 4:
         _recent_errors.append(msg)
     if msg:
@@ -57,6 +61,12 @@ def _on_llama_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
 
 llama_cpp.llama_log_set(_on_llama_log, ctypes.c_void_p(0))
 llama_cpp.llama_backend_init()
+
+
+# llama.cpp asks an abort callback between the graph's nodes, on its compute thread. libc's atoi, given a one-byte
+# string, answers there without Python (a Python callback would take the GIL per node): b"1" aborts the batch.
+_libc = ctypes.cdll.msvcrt if sys.platform == "win32" else ctypes.CDLL(None)
+_ATOI = llama_cpp.ggml_abort_callback(ctypes.cast(_libc.atoi, ctypes.c_void_p).value)
 
 
 def _first_error() -> str:
@@ -213,6 +223,10 @@ class Model(FirstSequence):
                 self._batch.n_seq_id[i] = 1
                 self._batch.seq_id[i][0] = 0
             self._batch_seq = 0  # the seq id written in every batch row; rewritten only when it changes
+            # What the abort callback reads: `_abort` during an abortable batch (Model.abort sets it), else `_never`.
+            self._abort, self._never = ctypes.create_string_buffer(b"0", 2), ctypes.create_string_buffer(b"0", 2)
+            self._armed = self._never
+            llama_cpp.llama_set_abort_callback(self._ctx, _ATOI, ctypes.cast(self._never, ctypes.c_void_p))
             # token/pos/logits are written through numpy views.
             self._b_token = np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,))
             self._b_pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
@@ -331,6 +345,21 @@ class Model(FirstSequence):
 
     # -- lifetime -------------------------------------------------------------
 
+    def abort(self) -> None:
+        """End the abortable batch in flight (background work's: KVSequence.decode) within a graph node; thread-safe.
+        llama.cpp drops what the batch had evaluated. A model without a context of its own (RemoteTarget) has none."""
+        if getattr(self, "_abort", None) is not None:
+            self._abort[0] = b"1"
+
+    def _arm(self, abortable: bool) -> None:
+        """Point the abort callback at the flag for an abortable batch (cleared first), else at one never set."""
+        flag = self._abort if abortable else self._never
+        if abortable:
+            flag[0] = b"0"
+        if flag is not self._armed:
+            llama_cpp.llama_set_abort_callback(self._ctx, _ATOI, ctypes.cast(flag, ctypes.c_void_p))
+            self._armed = flag
+
     def close(self) -> None:
         for name, free in (("_infill", llama_cpp.llama_sampler_free), ("_batch", llama_cpp.llama_batch_free),
                            ("_ctx", llama_cpp.llama_free), ("_model", llama_cpp.llama_model_free)):
@@ -373,7 +402,8 @@ class KVSequence:
         The result, shape (n_outputs, n_vocab), is a view of llama.cpp's buffer:
         valid until the next decode of any sequence. Copy what must outlive it.
         `stop` is asked between batches of `step` tokens (at most n_batch): when it says so, decoding ends there
-        and None is returned; the cache keeps what was evaluated.
+        and None is returned; the cache keeps what was evaluated. With both (background work), Model.abort also ends
+        a batch in flight, and the cache keeps the batches before it.
         """
         n, md = len(tokens), self.model
         if n == 0 or not 0 <= n_outputs <= min(n, md.n_batch):
@@ -385,19 +415,23 @@ class KVSequence:
         toks = np.asarray(tokens, dtype=np.int32)
         first_out = n - n_outputs
         size = min(step or md.n_batch, md.n_batch)
+        abortable = stop is not None and step is not None
         for start in range(0, n, size):
-            if start and stop is not None and stop():
+            if (start or abortable) and stop is not None and stop():
                 return None
             end = min(start + size, n)
-            self._decode_batch(toks[start:end], np.arange(start, end) >= first_out)
+            if not self._decode_batch(toks[start:end], np.arange(start, end) >= first_out, abortable):
+                return None
         if n_outputs == 0:
             return np.empty((0, md.n_vocab), dtype=np.float32)
         ptr = llama_cpp.llama_get_logits(md._ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_outputs, md.n_vocab))
 
-    def _decode_batch(self, toks: np.ndarray, outputs: np.ndarray) -> None:
-        """One llama_decode of at most n_batch tokens at the next positions; the mirror follows what llama.cpp kept."""
+    def _decode_batch(self, toks: np.ndarray, outputs: np.ndarray, abortable: bool = False) -> bool:
+        """One llama_decode of at most n_batch tokens at the next positions; the mirror follows what llama.cpp kept.
+        False when Model.abort ended an `abortable` one."""
         md, m = self.model, len(toks)
+        md._arm(abortable)
         md._set_batch_seq(self.seq_id)
         md._b_token[:m] = toks
         md._b_pos[:m] = np.arange(self.n_past, self.n_past + m, dtype=np.int32)
@@ -410,11 +444,15 @@ class KVSequence:
         except BaseException:  # e.g. KeyboardInterrupt between the C call and the mirror update
             self._resync()
             raise
+        if rc == 2 and abortable:  # aborted: llama.cpp removed the batch's positions
+            self._resync()
+            return False
         if rc != 0:
             self._resync()
             if rc == 1:
                 raise ContextOverflowError(f"no KV slot for {m} tokens at position {self.n_past}; use a larger --ctx")
             raise EdgespecError(f"llama_decode failed with code {rc} at position {self.n_past}")
+        return True
 
     @property
     def can_shift(self) -> bool:

@@ -50,15 +50,15 @@ FIM_LAYOUTS = ("prefix", "middle")  # where /infill puts the typed part of the c
 DEFAULT_FIM_LAYOUT = "prefix"
 TIME_LIMIT_GRACE = 0.5  # seconds past GenerationConfig.time_limit that a line may run before it is cut
 # An /infill sent with both editor budgets (t_max_prompt_ms, t_max_predict_ms) is due this long after their sum,
-# counted from its arrival (GenerationConfig.deadline): the cycle in flight and the response fit in the second the
-# editor's user is promised past the budgets.
-ANSWER_SLACK = 0.6
+# counted from its arrival (GenerationConfig.deadline; no cycle starts that would end past it, as long as the last
+# one): the response fits in the second the editor's user is promised past the budgets.
+ANSWER_SLACK = 0.8
 # Seconds of quiet after an /infill answer before its cut context is widened in the background: while the user
 # types, the next request comes sooner and would pay for the widening's batch in flight and its moved cache.
 WIDEN_DELAY = 2.0
-# Tokens per batch of an evaluation nobody waits on (a warm-up): the next request preempts it within one batch,
-# so it may wait that long.
-BACKGROUND_BATCH = 16
+# Tokens per batch of an evaluation nobody waits on (a warm-up): the next request aborts the batch in flight
+# (backend.Model.abort) and loses it, so not the context's whole batch; larger ones cost less per token.
+BACKGROUND_BATCH = 64
 QUIET_TICK_SECONDS = 0.1  # resolution of the quiet before background widening (server.service)
 # Cross-request memory (memory.py): the namespace of the machine's own user (CLI, Python API, a server without keys);
 # a server's API keys each get one of their own. A namespace is also a file name, so it is kept to these characters.
@@ -183,8 +183,9 @@ class GenerationConfig:
     # the next token holding a newline ends the generation ("length"); TIME_LIMIT_GRACE later any token ends it,
     # since an editor waits on its answer, not on a line that runs on (llama.cpp waits for the newline).
     time_limit: float | None = None
-    # time.perf_counter() by which the answer is due (an editor's budgets from the request's arrival): past it any
-    # token ends the generation ("length"), whatever time_limit allows. None: no such bound.
+    # time.perf_counter() by which the answer is due (an editor's budgets from the request's arrival): a token after
+    # which another cycle as long as the last would end past it ends the generation ("length"), whatever time_limit
+    # allows. None: no such bound.
     deadline: float | None = None
     min_indent: int = 0  # llama.cpp's n_indent (text.IndentLimit)
     proposer: str | None = None  # this generation's proposer ("none" turns speculation off); None: the engine's

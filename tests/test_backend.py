@@ -92,6 +92,28 @@ def test_shared_prefix_and_keep_prefix_of(smollm):
     assert smollm.tokens == [10, 11] and smollm.pos_max() == 1
 
 
+def test_an_abort_ends_a_background_batch_in_flight_and_only_such_a_batch(smollm):
+    """Model.abort (a request preempting background work) ends the abortable batch within a graph node: llama.cpp
+    drops that batch, the batches before it stay. A decode that is not background work ignores it."""
+    smollm.trim(0)
+    text = list(range(100, 400))
+    armed = smollm._arm
+
+    def abort_as_it_starts(abortable: bool) -> None:  # the abort arrives while the second batch runs
+        armed(abortable)
+        if abortable and smollm.n_past >= 64:
+            smollm.abort()
+
+    smollm._arm = abort_as_it_starts
+    try:
+        assert smollm.sequences[0].decode(text, 1, stop=lambda: False, step=64) is None
+    finally:
+        smollm._arm = armed
+    assert smollm.tokens == text[:64] and smollm.pos_max() == 63
+    smollm.abort()  # a stray abort: the next decode that is not background work runs whole
+    assert smollm.decode(text[64:], 1) is not None and smollm.n_past == len(text)
+
+
 def test_context_overflow_is_refused_without_damage(smollm):
     smollm.trim(0)
     smollm.decode(smollm.tokenize("hello"))

@@ -123,16 +123,19 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
     steps = run.turns(loop.steps(slot.cache, proposer_for(slot, config), prompt, config, stats, run.cancel,
                                  run.k_max, run.k, reuse=config.reuse_prefix, rules=run.rules,
                                  anchor=run.anchor))
-    t_first = None
+    t_first = t_last = None
+    cycle = 0.0  # the last cycle's seconds: a cycle that would end past the deadline is not started
     try:
         for tokens, from_draft, done, probs in steps:
             now = time.perf_counter()
             t_first = t_first or now
+            cycle, t_last = (now - t_last if t_last is not None else 0.0), now
             delta = []
             for i, t in enumerate(tokens):
                 piece = run.token_bytes(t)
                 delta.append(indent.push(text.push(piece)))
-                late = (config.deadline is not None and now > config.deadline) or config.time_limit is not None and (
+                due = config.deadline is not None and now + cycle > config.deadline
+                late = due or config.time_limit is not None and (
                     now - t_first > config.time_limit + TIME_LIMIT_GRACE or
                     b"\n" in piece and now - t_first > config.time_limit)
                 if text.stopped or indent.stopped or late:  # nothing after the end is emitted

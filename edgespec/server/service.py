@@ -128,13 +128,15 @@ class Service:
         return INFILL_CACHE_REUSE if route == schemas.INFILL else 0
 
     async def preempt(self) -> None:
-        """Stop the background evaluations and wait for them to give the engine back (within one small batch;
-        what they evaluated stays in the cache, for this request to reuse)."""
+        """Stop the background evaluations and wait for them to give the engine back (their batch in flight is
+        aborted; what they evaluated before it stays in the cache, for this request to reuse)."""
         # Until none is left: a warm-up whose handler was waiting on the same job may register meanwhile, and
         # this request would then queue behind all of its evaluation.
         while jobs := list(self.background.items()):
             for cancel, _ in jobs:
                 cancel.set()
+            if self.loaded is not None:
+                self.loaded.target.abort()
             await asyncio.wait([job for _, job in jobs])
 
     def warm(self, prompts: Callable[[], Iterable[list[int]]], config: GenerationConfig, delay: float = 0.0) -> None:

@@ -10,13 +10,10 @@ Everything above this module speaks token ids and numpy arrays.
 from __future__ import annotations
 
 import collections
-import contextlib
 import ctypes
 import logging
-import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -27,7 +24,7 @@ import numpy as np
 
 from edgespec.config import DEFAULT_N_CTX, LoadConfig
 from edgespec.errors import (ContextOverflowError, EdgespecError, InvalidModelError, InvalidRequestError,
-                             UnsupportedModelError)
+                             UnsupportedModelError, stderr_captured)
 from edgespec.gguf import ModelFacts, Vocab, check_gguf_file
 from edgespec.text import to_utf8
 
@@ -51,8 +48,7 @@ _recent_errors: collections.deque[str] = collections.deque(maxlen=4)
 def _on_llama_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     # llama.cpp is chatty on stderr; route it to logging so the CLI decides what shows.
     msg = text.decode("utf-8", "replace").rstrip()
-    if _ABORTED.search(msg):  # a batch ended by Model.abort, as asked: no error
-        level = 1
+    level = 1 if _ABORTED.search(msg) else level  # a batch ended by Model.abort, as asked: no error
     if level == 4:
         _recent_errors.append(msg)
     if msg:
@@ -223,10 +219,7 @@ class Model(FirstSequence):
                 self._batch.n_seq_id[i] = 1
                 self._batch.seq_id[i][0] = 0
             self._batch_seq = 0  # the seq id written in every batch row; rewritten only when it changes
-            # What the abort callback reads: `_abort` during an abortable batch (Model.abort sets it), else `_never`.
-            self._abort, self._never = ctypes.create_string_buffer(b"0", 2), ctypes.create_string_buffer(b"0", 2)
-            self._armed = self._never
-            llama_cpp.llama_set_abort_callback(self._ctx, _ATOI, ctypes.cast(self._never, ctypes.c_void_p))
+            self._abort, self._armed = ctypes.create_string_buffer(b"0", 2), False  # read during abortable batches
             # token/pos/logits are written through numpy views.
             self._b_token = np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,))
             self._b_pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
@@ -327,38 +320,30 @@ class Model(FirstSequence):
         default_dim = n_embd // max(n_head, 1)
         template = llama_cpp.llama_model_chat_template(m, None)
         return ModelFacts(
-            path=self.path,
-            architecture=arch,
-            n_layer=int(llama_cpp.llama_model_n_layer(m)),
-            n_head=n_head,
-            n_head_kv=int(llama_cpp.llama_model_n_head_kv(m)),
-            n_embd=n_embd,
+            path=self.path, architecture=arch, n_layer=int(llama_cpp.llama_model_n_layer(m)), n_head=n_head,
+            n_head_kv=int(llama_cpp.llama_model_n_head_kv(m)), n_embd=n_embd,
             head_dim_k=int(self.meta(f"{arch}.attention.key_length") or default_dim),
             head_dim_v=int(self.meta(f"{arch}.attention.value_length") or default_dim),
             n_ff=int(self.meta(f"{arch}.feed_forward_length") or 4 * n_embd),
             n_vocab=int(llama_cpp.llama_vocab_n_tokens(self._vocab_p)),
-            n_ctx_train=int(llama_cpp.llama_model_n_ctx_train(m)),
-            weights_bytes=int(llama_cpp.llama_model_size(m)),
+            n_ctx_train=int(llama_cpp.llama_model_n_ctx_train(m)), weights_bytes=int(llama_cpp.llama_model_size(m)),
             chat_template=template.decode("utf-8", "replace") if template else None,
-            recurrent=bool(llama_cpp.llama_model_is_recurrent(m) or llama_cpp.llama_model_is_hybrid(m)),
-        )
+            recurrent=bool(llama_cpp.llama_model_is_recurrent(m) or llama_cpp.llama_model_is_hybrid(m)))
 
     # -- lifetime -------------------------------------------------------------
 
     def abort(self) -> None:
-        """End the abortable batch in flight (background work's: KVSequence.decode) within a graph node; thread-safe.
-        llama.cpp drops what the batch had evaluated. A model without a context of its own (RemoteTarget) has none."""
-        if getattr(self, "_abort", None) is not None:
+        """End the abortable batch in flight (background work: KVSequence.decode) within a graph node; thread-safe."""
+        if getattr(self, "_abort", None) is not None:  # none without a context of its own (RemoteTarget)
             self._abort[0] = b"1"
 
     def _arm(self, abortable: bool) -> None:
-        """Point the abort callback at the flag for an abortable batch (cleared first), else at one never set."""
-        flag = self._abort if abortable else self._never
-        if abortable:
-            flag[0] = b"0"
-        if flag is not self._armed:
-            llama_cpp.llama_set_abort_callback(self._ctx, _ATOI, ctypes.cast(flag, ctypes.c_void_p))
-            self._armed = flag
+        """Give the next batch the abort callback (its flag cleared) if it is abortable, else none."""
+        self._abort[0] = b"0"
+        if abortable != self._armed:
+            llama_cpp.llama_set_abort_callback(self._ctx, _ATOI if abortable else llama_cpp.ggml_abort_callback(),
+                                               ctypes.cast(self._abort, ctypes.c_void_p) if abortable else None)
+            self._armed = abortable
 
     def close(self) -> None:
         for name, free in (("_infill", llama_cpp.llama_sampler_free), ("_batch", llama_cpp.llama_batch_free),
@@ -397,14 +382,11 @@ class KVSequence:
 
     def decode(self, tokens: Sequence[int], n_outputs: int = 1, stop: Callable[[], bool] | None = None,
                step: int | None = None) -> np.ndarray | None:
-        """Append `tokens` to the cache; return logits of the last `n_outputs` of them.
-
-        The result, shape (n_outputs, n_vocab), is a view of llama.cpp's buffer:
-        valid until the next decode of any sequence. Copy what must outlive it.
-        `stop` is asked between batches of `step` tokens (at most n_batch): when it says so, decoding ends there
-        and None is returned; the cache keeps what was evaluated. With both (background work), Model.abort also ends
-        a batch in flight, and the cache keeps the batches before it.
-        """
+        """Append `tokens` to the cache; return logits of the last `n_outputs` of them: (n_outputs, n_vocab), a view
+        of llama.cpp's buffer, valid until the next decode of any sequence (copy what must outlive it). `stop` is
+        asked between batches of `step` tokens (at most n_batch): when it says so, decoding ends there and None is
+        returned; the cache keeps what was evaluated. With both (background work), Model.abort also ends a batch in
+        flight, and the cache keeps the batches before it."""
         n, md = len(tokens), self.model
         if n == 0 or not 0 <= n_outputs <= min(n, md.n_batch):
             raise ValueError(f"decode of {n} tokens with {n_outputs} outputs (batch {md.n_batch})")
@@ -460,16 +442,13 @@ class KVSequence:
 
     def evaluate(self, prompt: Sequence[int], runs: Sequence[tuple[int, int, int]] = (), n_outputs: int = 1,
                  stop: Callable[[], bool] | None = None, step: int | None = None) -> np.ndarray | None:
-        """Make the cache hold `prompt` and return the logits of its last `n_outputs` tokens (as decode).
-
-        `runs` are the cached stretches to keep, (start in the prompt, start in the cache, length), in prompt order
+        """Make the cache hold `prompt` and return the logits of its last `n_outputs` tokens (as decode). `runs` are
+        the cached stretches to keep, (start in the prompt, start in the cache, length), in prompt order
         (decoding.reuse.plan): a run at (0, 0, n) is the common prefix, kept in place; the others move to their
         start, which llama.cpp allows only where the cache can shift. All runs move before the first decode, so
         llama.cpp re-rotates the keys once: a re-rotation covers every cell of the context, as dear as a pass over
         a long prompt. Everything else is evaluated, in batches of `step`. None when `stop` ended it early: the
-        cache then holds the prompt evaluated up to there, followed by the runs not reached yet (nothing it held
-        and the prompt wants is lost).
-        """
+        cache then holds the prompt evaluated up to there, then the runs not reached yet (none of them is lost)."""
         runs = [r for r in runs if r[2] > 0]
         prefix = runs[0][2] if runs and runs[0][:2] == (0, 0) else 0
         moved = runs[1:] if prefix else runs
@@ -603,7 +582,7 @@ class Grammar:
             self._s = llama_cpp.llama_sampler_init_grammar_lazy_patterns(
                 model._vocab_p, g, r, patterns, 0 if one else 1, tokens, 1 if one else 0)
         if not self._s:  # llama.cpp prints the parser's reason on stderr, not to its log: parse again to read it
-            with _stderr_captured() as said:
+            with stderr_captured() as said:
                 llama_cpp.llama_sampler_init_grammar(model._vocab_p, g, r)
             reason = next((line for line in said() if "error parsing grammar" in line), _first_error())
             raise InvalidRequestError(f"{what} does not parse as GBNF ({reason.split(': ', 1)[-1]}); fix it by "
@@ -637,23 +616,6 @@ class Grammar:
 
     def __del__(self) -> None:
         self.close()
-
-
-@contextlib.contextmanager
-def _stderr_captured() -> Iterator[Callable[[], list[str]]]:
-    """What C code writes to file descriptor 2 meanwhile (the lines, once the block has ended)."""
-    lines: list[str] = []
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as tmp:
-        os.dup2(tmp.fileno(), 2)
-        try:
-            yield lambda: lines
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            lines += tmp.read().decode("utf-8", "replace").splitlines()
 
 
 def json_schema_gbnf(schema: dict, what: str = "json_schema", rule: str = "root") -> str:

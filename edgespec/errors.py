@@ -6,6 +6,12 @@ HTTP status codes, by type, so nothing above this module formats errors itself.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import tempfile
+from typing import Callable, Iterator
+
 
 class EdgespecError(Exception):
     """Base class: something the user can fix; the message says how."""
@@ -65,3 +71,21 @@ class OutOfMemoryError(EdgespecError):
 
 class WorkerError(EdgespecError):
     """An RPC worker that cannot be reached, does not answer, or was lost; the message names it."""
+
+
+@contextlib.contextmanager
+def stderr_captured() -> Iterator[Callable[[], list[str]]]:
+    """What C code writes to file descriptor 2 meanwhile (the lines, once the block has ended): llama.cpp prints
+    some reasons there, not to its log, and an error message quotes them."""
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lambda: lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines += tmp.read().decode("utf-8", "replace").splitlines()

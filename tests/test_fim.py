@@ -134,3 +134,18 @@ def test_the_anchor_is_the_start_of_the_line_before_the_cursor():
     assert cursor_anchor(chars("no fim here\n"), QWEN_LIKE, pieces) is None
     short = FimPrompt(PLAIN, chars).tokens(Infill("", "s1\n", "x"))[0]
     assert cursor_anchor(short, PLAIN, pieces) == 1  # no line before the cursor: the prefix's start
+
+
+def test_lines_cut_from_one_tokenization_as_from_their_own_text():
+    """With a token's bytes at hand, the prefix and suffix are tokenized once and cut where lines start."""
+    infill = Infill("".join(f"p{i}\n" for i in range(9)), "\n" + "".join(f"s{i}\n" for i in range(9)), "t")
+    once = FimPrompt(PLAIN, chars, piece=lambda t: chr(t).encode())
+    for take in (Take(), Take(3, 2), Take(0, 0), Take(9, 1)):
+        assert once.tokens(infill, take) == FimPrompt(PLAIN, chars).tokens(infill, take)
+
+    def pairs(text: str) -> list[int]:  # "\n\n" is one token, as BPE merges blank lines
+        return [2000 if c == "\0" else ord(c) for c in text.replace("\n\n", "\0")]
+
+    merged = FimPrompt(PLAIN, pairs, piece=lambda t: b"\n\n" if t == 2000 else chr(t).encode())
+    tokens, starts = merged.lines("a\n\nb\n")
+    assert tokens == [ord("a"), 2000, ord("b"), ord("\n")] and starts == [0, 2, 2, 4]  # the blank line inside a token

@@ -15,6 +15,7 @@ which on moved runs are not taken: a run must start before it, where the text th
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -109,25 +110,36 @@ def _moved_runs(cache: np.ndarray, prompt: np.ndarray, head: int, n: int, starts
     """Greedy in prompt order: at the first prompt position (before `starts`) whose next n tokens occur in the cache
     after the last run, take the occurrence that matches furthest, extend it, and go on after it on both sides."""
     c_hash, p_hash = _window_hashes(cache, n), _window_hashes(prompt, n)
-    where: dict[int, list[int]] = {}
-    for i in range(head, len(c_hash)):
-        where.setdefault(int(c_hash[i]), []).append(i)
+    where = _positions(c_hash.tobytes())
+    # only prompt positions whose window occurs in the cache at all can start a run: the others are skipped in C
+    hits = np.flatnonzero(np.isin(p_hash[head:starts], c_hash[head:])) + head
     runs: list[Run] = []
     c, p = head, head
-    while p < min(len(p_hash), starts) and c < len(c_hash):
+    for q in hits.tolist():
+        if c >= len(c_hash):
+            break
+        if q < p:
+            continue
         best_len, best_src = 0, -1
-        for src in where.get(int(p_hash[p]), ()):
+        for src in where[int(p_hash[q])]:
             if src < c:
                 continue
-            length = _match(cache, src, prompt, p)
+            length = _match(cache, src, prompt, q)
             if length >= n and length > best_len:
                 best_len, best_src = length, src
         if best_len:
-            runs.append(Run(p, best_src, best_len))
-            p, c = p + best_len, best_src + best_len
-        else:
-            p += 1
+            runs.append(Run(q, best_src, best_len))
+            p, c = q + best_len, best_src + best_len
     return runs
+
+
+@functools.lru_cache(maxsize=8)
+def _positions(hashes: bytes) -> dict[int, list[int]]:
+    """Each window hash of a cache -> where it occurs, in order. A fit plans many prompts against the same cache."""
+    where: dict[int, list[int]] = {}
+    for i, h in enumerate(np.frombuffer(hashes, dtype=np.uint64).tolist()):
+        where.setdefault(h, []).append(i)
+    return where
 
 
 def _window_hashes(tokens: np.ndarray, n: int) -> np.ndarray:

@@ -44,7 +44,7 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
     """The FIM prompt for `infill` on target `m` that leaves `max_tokens` of room, sized for `budget_seconds` of
     prompt evaluation at `rate` (None: as llama.cpp sizes it), in `slot` or else the free slot that can reuse most
     of it. A `warm_up` of extra chunks alone keeps the FIM part the slot holds after them (FimPrompt.warm_up)."""
-    fim = FimPrompt(m.vocab, lambda text: list(_tokens(m, text)), layout)
+    fim = FimPrompt(m.vocab, lambda text: list(_tokens(m, text)), layout, m.token_bytes)
     room = m.n_ctx - max_tokens
 
     def kept_of(s: Slot, tokens: list[int]) -> reuse.Reuse:  # as the generation will keep it (Engine.stream)

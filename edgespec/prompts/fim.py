@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence, TypeVar
 
+import numpy as np
+
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
 from edgespec.gguf import Vocab
 
@@ -74,13 +76,32 @@ class Kept:
 class FimPrompt:
     """FIM prompts for one model: its FIM tokens, its tokenizer (no BOS, special tokens not parsed) and a layout."""
 
-    def __init__(self, vocab: Vocab, tokenize: Callable[[str], list[int]], layout: str = "prefix") -> None:
+    def __init__(self, vocab: Vocab, tokenize: Callable[[str], list[int]], layout: str = "prefix",
+                 piece: Callable[[int], bytes] | None = None) -> None:
+        """`piece`: a token's bytes. With it the prefix and suffix are tokenized once and cut at the tokens where
+        lines start (as llama.cpp cuts tokens), instead of tokenizing the lines of every candidate prompt."""
         if vocab.fim_pre is None or vocab.fim_suf is None or vocab.fim_mid is None:
             raise UnsupportedModelError("this model has no fill-in-the-middle tokens; use a code model such as "
                                         "qwen2.5-coder-1.5b for /infill")
         if layout not in LAYOUTS:
             raise InvalidRequestError(f"FIM layout {layout!r} must be one of {', '.join(LAYOUTS)}")
-        self.vocab, self.tokenize, self.layout = vocab, tokenize, layout
+        self.vocab, self.tokenize, self.layout, self.piece = vocab, tokenize, layout, piece
+        self._lines: dict[str, tuple[list[int], list[int]] | None] = {}
+
+    def lines(self, text: str) -> tuple[list[int], list[int]] | None:
+        """`text`'s tokens and the index of the token each of its lines starts at, then len(tokens) (a line whose
+        start falls inside a token starts after it); None without `piece`, or where the tokens' bytes are not the
+        text's (a tokenizer that adds a space)."""
+        if text not in self._lines:
+            self._lines[text] = None
+            if self.piece is not None:
+                tokens = self.tokenize(text)
+                ends = np.cumsum([len(self.piece(t)) for t in tokens], dtype=np.int64)
+                line_ends = np.cumsum([len(line.encode()) for line in text.splitlines(keepends=True)], dtype=np.int64)
+                if (ends[-1] if len(ends) else 0) == (line_ends[-1] if len(line_ends) else 0):
+                    starts = np.searchsorted(ends, line_ends[:-1], side="left") + 1
+                    self._lines[text] = tokens, [0, *starts.tolist(), len(tokens)] if len(line_ends) else [0]
+        return self._lines[text]
 
     def head(self, extra: Sequence[tuple[str, str]]) -> list[int]:
         """The repository part: the project name and the extra chunks, each under its file name."""
@@ -121,8 +142,12 @@ class FimPrompt:
         pre_lines, suf_lines = infill.prefix.splitlines(keepends=True), infill.suffix.splitlines(keepends=True)
         n_pre, n_suf, n_extra = (_count(take.prefix_lines, len(pre_lines)), _count(take.suffix_lines, len(suf_lines)),
                                  _count(take.extra_chunks, len(infill.extra)))
-        pre = self.tokenize("".join(pre_lines[len(pre_lines) - n_pre:]))
-        suf = self.tokenize("".join(suf_lines[:n_suf]))
+        if (split := self.lines(infill.prefix)) is not None:
+            pre = split[0][split[1][len(pre_lines) - n_pre]:]
+        else:
+            pre = self.tokenize("".join(pre_lines[len(pre_lines) - n_pre:]))
+        suf = split[0][:split[1][n_suf]] if (split := self.lines(infill.suffix)) is not None else \
+            self.tokenize("".join(suf_lines[:n_suf]))
         extra = infill.extra[len(infill.extra) - n_extra:]
         return self.assemble(self.head(extra), pre, self.tokenize(infill.typed), suf), pre, suf
 
@@ -208,20 +233,28 @@ class FimPrompt:
 def cursor_anchor(prompt: Sequence[int], vocab: Vocab, piece: Callable[[int], bytes]) -> int | None:
     """Where in a FIM prompt cached entries stop being reusable at a new position (decoding.reuse): the start of the
     line before the cursor. Past it an entry moved from an older prompt still holds the old cursor line; kept, it
-    sends completions astray (a FIM suffix computed before the last keystroke turned 7 of 10 right completions
-    wrong: docs/bench/editor.md). None when the prompt has no FIM prefix token."""
+    sends completions astray (a FIM suffix shifted from before the last keystroke: 3 of 30 right, against 11 with
+    it evaluated again; docs/bench/editor.md). None when the prompt has no FIM prefix token."""
     if vocab.fim_pre is None or vocab.fim_suf is None or vocab.fim_pre not in prompt:
         return None
-    pre = len(prompt) - 1 - prompt[::-1].index(vocab.fim_pre)
+    tokens = list(prompt)
+    pre = len(tokens) - 1 - tokens[::-1].index(vocab.fim_pre)
     # the cursor: where the prefix ends, at <fim_suffix> after it (PSM), else at <fim_middle> (SPM) or the end
-    ends = [i for i in range(pre + 1, len(prompt)) if prompt[i] in (vocab.fim_suf, vocab.fim_mid)]
-    cursor = ends[0] if ends else len(prompt)
+    cursor = min(_find(tokens, vocab.fim_suf, pre + 1), _find(tokens, vocab.fim_mid, pre + 1))
     newlines = 0
     for i in range(cursor - 1, max(pre, cursor - ANCHOR_SCAN), -1):
         newlines += piece(prompt[i]).count(b"\n")
         if newlines >= 2:
             return i + 1
     return pre + 1
+
+
+def _find(tokens: list[int], token: int | None, start: int) -> int:
+    """The first index of `token` from `start` on; len(tokens) when there is none."""
+    try:
+        return tokens.index(token, start) if token is not None else len(tokens)
+    except ValueError:
+        return len(tokens)
 
 
 @dataclass(frozen=True)

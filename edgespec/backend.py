@@ -399,6 +399,7 @@ class KVSequence:
         size = min(step or md.n_batch, md.n_batch)
         abortable = stop is not None and step is not None
         for start in range(0, n, size):
+            md._arm(abortable)  # its flag cleared before `stop` is asked: an abort that follows is not lost
             if (start or abortable) and stop is not None and stop():
                 return None
             end = min(start + size, n)
@@ -413,7 +414,6 @@ class KVSequence:
         """One llama_decode of at most n_batch tokens at the next positions; the mirror follows what llama.cpp kept.
         False when Model.abort ended an `abortable` one."""
         md, m = self.model, len(toks)
-        md._arm(abortable)
         md._set_batch_seq(self.seq_id)
         md._b_token[:m] = toks
         md._b_pos[:m] = np.arange(self.n_past, self.n_past + m, dtype=np.int32)

@@ -147,5 +147,5 @@ def test_lines_cut_from_one_tokenization_as_from_their_own_text():
         return [2000 if c == "\0" else ord(c) for c in text.replace("\n\n", "\0")]
 
     merged = FimPrompt(PLAIN, pairs, piece=lambda t: b"\n\n" if t == 2000 else chr(t).encode())
-    tokens, starts = merged.lines("a\n\nb\n")
+    tokens, starts = merged.split_lines("a\n\nb\n")
     assert tokens == [ord("a"), 2000, ord("b"), ord("\n")] and starts == [0, 2, 2, 4]  # the blank line inside a token

@@ -258,8 +258,8 @@ class Engine:
         k = config.k if self.config.k is None or config.k is None else min(config.k, self.config.k)
         t = self.target
         anchor = cursor_anchor(prompt_tokens, t.vocab, t.token_bytes) if config.cache_reuse else None
-        run = generation.Run(config, stop, cancel or threading.Event(), rules, self.plan.k_max, k,
-                             self.target.token_bytes, self.pool.turns, anchor)
+        run = generation.Run(config, stop, cancel or threading.Event(), rules, self.plan.k_max, k, t.token_bytes,
+                             self.pool.turns, anchor)
         memory = self.memory.get(config.memory) if self.memory is not None and config.memory is not None else None
         try:
             with self.pool.taken(prompt_tokens, run.cancel, config.slot) as slot:

@@ -22,8 +22,8 @@ from edgespec.engine.slots import Slot
 from edgespec.prompts.fim import FimPrompt, Infill, Kept, cursor_anchor
 
 WIDEN_LINES_STEP = 4  # of fim.FIT_STEPS: a background step adds 1/64 of the lines a side, done within a pause
-# Texts kept tokenized: a fit tokenizes the lines of every candidate prompt, and mostly the same ones again on an
-# editor's next request (the same line typed further, its speculative request).
+# Texts kept tokenized: a fit tokenizes the prefix, the suffix and the typed text once, and mostly the same ones
+# again on an editor's next request (the same line typed further, its speculative request).
 TOKENIZED_TEXTS = 512
 
 

@@ -88,7 +88,7 @@ class FimPrompt:
         self.vocab, self.tokenize, self.layout, self.piece = vocab, tokenize, layout, piece
         self._lines: dict[str, tuple[list[int], list[int]] | None] = {}
 
-    def lines(self, text: str) -> tuple[list[int], list[int]] | None:
+    def split_lines(self, text: str) -> tuple[list[int], list[int]] | None:
         """`text`'s tokens and the index of the token each of its lines starts at, then len(tokens) (a line whose
         start falls inside a token starts after it); None without `piece`, or where the tokens' bytes are not the
         text's (a tokenizer that adds a space)."""
@@ -142,14 +142,17 @@ class FimPrompt:
         pre_lines, suf_lines = infill.prefix.splitlines(keepends=True), infill.suffix.splitlines(keepends=True)
         n_pre, n_suf, n_extra = (_count(take.prefix_lines, len(pre_lines)), _count(take.suffix_lines, len(suf_lines)),
                                  _count(take.extra_chunks, len(infill.extra)))
-        if (split := self.lines(infill.prefix)) is not None:
-            pre = split[0][split[1][len(pre_lines) - n_pre]:]
-        else:
-            pre = self.tokenize("".join(pre_lines[len(pre_lines) - n_pre:]))
-        suf = split[0][:split[1][n_suf]] if (split := self.lines(infill.suffix)) is not None else \
-            self.tokenize("".join(suf_lines[:n_suf]))
+        pre = self._cut(infill.prefix, pre_lines, len(pre_lines) - n_pre, len(pre_lines))
+        suf = self._cut(infill.suffix, suf_lines, 0, n_suf)
         extra = infill.extra[len(infill.extra) - n_extra:]
         return self.assemble(self.head(extra), pre, self.tokenize(infill.typed), suf), pre, suf
+
+    def _cut(self, text: str, lines: list[str], first: int, last: int) -> list[int]:
+        """The tokens of `lines[first:last]` of `text`: cut from its one tokenization where there is one."""
+        if (split := self.split_lines(text)) is not None:
+            tokens, starts = split
+            return tokens[starts[first]:starts[last]]
+        return self.tokenize("".join(lines[first:last]))
 
     def kept(self, infill: Infill, pre: list[int], suf: list[int], n_extra: int) -> Kept:
         """What a prompt with these prefix and suffix tokens kept of `infill`."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import functools
 import logging
 import re
 import sys
@@ -183,8 +184,8 @@ class Model(FirstSequence):
         mparams.n_gpu_layers = cfg.n_gpu_layers if cfg.n_gpu_layers >= 0 else 999
         if not (cfg.mmap or facts_only):
             mparams.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE  # read into memory; the default maps the file
-        if facts_only or not cfg.repack:
-            mparams.use_extra_bufts = False  # no repacking (of weights that will not run)
+        if facts_only or not cfg.repack or amx_build():
+            mparams.use_extra_bufts = False  # no repacking (of weights that will not run; AMX: amx_build)
         keep = remote.apply(mparams) if remote is not None else None  # the arrays live until the load returns
         _recent_errors.clear()
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
@@ -253,9 +254,8 @@ class Model(FirstSequence):
         buf = (llama_cpp.llama_token * cap)()
         n = llama_cpp.llama_tokenize(self._vocab_p, data, len(data), buf, cap, add_special, parse_special)
         if n < 0:  # buffer too small: -n is the size needed
-            cap = -n
-            buf = (llama_cpp.llama_token * cap)()
-            n = llama_cpp.llama_tokenize(self._vocab_p, data, len(data), buf, cap, add_special, parse_special)
+            buf = (llama_cpp.llama_token * -n)()
+            n = llama_cpp.llama_tokenize(self._vocab_p, data, len(data), buf, len(buf), add_special, parse_special)
         return list(buf[:n])
 
     def token_bytes(self, token: int) -> bytes:
@@ -391,9 +391,8 @@ class KVSequence:
         if n == 0 or not 0 <= n_outputs <= min(n, md.n_batch):
             raise ValueError(f"decode of {n} tokens with {n_outputs} outputs (batch {md.n_batch})")
         if self.n_past + n > md.n_ctx:
-            raise ContextOverflowError(
-                f"{self.n_past + n} tokens do not fit the context of {md.n_ctx}; use a larger --ctx or a shorter prompt"
-            )
+            raise ContextOverflowError(f"{self.n_past + n} tokens do not fit the context of {md.n_ctx}; use a larger "
+                                       f"--ctx or a shorter prompt")
         toks = np.asarray(tokens, dtype=np.int32)
         first_out = n - n_outputs
         size = min(step or md.n_batch, md.n_batch)
@@ -509,10 +508,8 @@ class KVSequence:
         if dropped == 0:
             return 0
         if n_keep > 0 and not self.model.can_trim:
-            raise UnsupportedModelError(
-                f"{self.model.path.name} has a recurrent cache that cannot be cut at position {n_keep}; "
-                f"use it without speculation (--proposer none)"
-            )
+            raise UnsupportedModelError(f"{self.model.path.name} has a recurrent cache that cannot be cut at position "
+                                        f"{n_keep}; use it without speculation (--proposer none)")
         if not llama_cpp.llama_memory_seq_rm(self.model._mem, self.seq_id, n_keep, -1):
             raise UnsupportedModelError(f"llama.cpp refused to remove positions >= {n_keep} from {self.model.path.name}")
         del self.tokens[n_keep:]
@@ -523,16 +520,10 @@ class KVSequence:
     def shared_prefix(self, tokens: Sequence[int]) -> int:
         """Length of the cache's longest prefix shared with `tokens`, short of their last token
         (which must be decoded again for its logits)."""
-        held = self.tokens
-        n = min(len(held), len(tokens) - 1)
-        if n >= 0 and held[:n] == list(tokens[:n]):  # the usual case, compared in C
+        held, n = self.tokens, max(0, min(len(self.tokens), len(tokens) - 1))
+        if held[:n] == list(tokens[:n]):  # the usual case, compared in C
             return n
-        n = 0
-        for a, b in zip(held, tokens[:-1]):
-            if a != b:
-                break
-            n += 1
-        return n
+        return next(i for i, (a, b) in enumerate(zip(held, tokens)) if a != b)  # they part before n
 
     def keep_prefix_of(self, tokens: Sequence[int]) -> int:
         """Trim the cache to `shared_prefix(tokens)`; returns how many cached tokens were kept."""
@@ -644,6 +635,15 @@ def json_schema_gbnf(schema: dict, what: str = "json_schema", rule: str = "root"
 def system_info() -> str:
     """llama.cpp's build features (CPU flags, GPU backends)."""
     return llama_cpp.llama_print_system_info().decode("utf-8", "replace")
+
+
+@functools.cache
+def amx_build() -> bool:
+    """Whether llama.cpp has its AMX kernels, which GCC 12 miscompiles: it drops the tile sizes' stores before the
+    tile config's load, so the first matrix product dies (SIGSEGV). Weights then skip the extra buffer types."""
+    if amx := "AMX_INT8 = 1" in system_info():
+        log.info("llama.cpp's AMX kernels are off, and with them repacking (docs/robustness.md)")
+    return amx
 
 
 def library_version() -> str:

@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from llama_tools import SERVER, tool  # noqa: E402
 
+from edgespec.backend import amx_build  # noqa: E402
 from edgespec.models import fetch  # noqa: E402
 
 N_PREFIX, N_SUFFIX = 256, 64  # both editors' default windows, in lines
@@ -340,7 +341,9 @@ def main() -> None:
                                    *args.edgespec_args.split()], 18012),
                  Peer("llama-server", [str(server_bin), "-m", str(model), "--ctx-size", str(args.ctx), "-t",
                                        str(args.threads), "--cache-reuse", "256", "-ub", "1024", "-b", "1024",
-                                       "--host", "127.0.0.1", "--port", "18080"], 18080)]
+                                       "--host", "127.0.0.1", "--port", "18080",
+                                       # the same kernels as edgespec, which keeps GCC 12's AMX build off them
+                                       *(["--no-repack"] if amx_build() else [])], 18080)]
         peers = [p for p in peers if p.name in args.servers]
         try:
             for p in peers:  # one at a time: edgespec calibrates at its first load, on a quiet machine

@@ -99,6 +99,24 @@ def test_llama_vscode_models_props_tokenize_template_and_three_completions(serve
     assert out[0]["generation_settings"]["n_ctx"] == CTX and out[1]["tokens_cached"] > 0
 
 
+def test_n_cmpl_completions_past_the_due_time_are_empty_not_late():
+    # llama.vscode's 3 completions share one due time; one with no room for a token is skipped (the client drops
+    # empty alternatives) instead of decoding one token past it, as each did before.
+    from edgespec.engine import Chunk, Stats
+    from edgespec.server.routes.llama import _room_for_another, _skipped
+
+    last = Chunk("x", [1, 2, 3], finish_reason="length", slot=0,
+                 stats=Stats(prompt_tokens=50, completion_tokens=3, prefill_seconds=1.0, decode_seconds=0.2))
+    now = time.perf_counter()
+    assert _room_for_another(last, None) and _room_for_another(last, now + 5.0)
+    assert not _room_for_another(last, now + 0.05)  # a token took 0.1 s
+    one = Chunk("x", [1], finish_reason="length", slot=0, stats=Stats(completion_tokens=1, prefill_seconds=1.0))
+    assert not _room_for_another(one, now + 0.5)  # one token: its whole time is the price
+    skipped = _skipped(last, 50)
+    assert (skipped.text, skipped.tokens, skipped.finish_reason, skipped.slot) == ("", [], "length", 0)
+    assert skipped.stats.cached_prompt_tokens == 50 and skipped.stats.completion_tokens == 0
+
+
 def test_continue_autocomplete_and_chat_with_max_tokens_4096(server):
     reqs = requests_of("continue")
     # Continue asks for 4096 tokens and aborts the fetch once its filters have a line (CompletionStreamer): the

@@ -87,7 +87,10 @@ class LlamaRoutes:
             if not req.stream:
                 results = []
                 for i in range(req.n):  # n_cmpl: one after another in the slot that holds the prompt
-                    chunks = await self.svc.run(request, prompt, req, cancel)
+                    if results and not _room_for_another(chunks[-1], req.config.deadline):
+                        chunks = [_skipped(chunks[-1], len(prompt))]
+                    else:
+                        chunks = await self.svc.run(request, prompt, req, cancel)
                     final = _llama_final("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
                                          chunks[-1], model, req) | (report or {}) | {"index": i}
                     if req.config.logprobs is not None:
@@ -169,6 +172,25 @@ def _llama_final(text: str, tokens: list[int], last: Chunk, model: str, req: sch
         },
         "speculative": spec(s, req),
     }
+
+
+def _room_for_another(last: Chunk, due: float | None) -> bool:
+    """Whether one more of n_cmpl's completions can decode a token before the answer is due: a token costs what
+    one did in the last completion (its whole time when it had one token)."""
+    s = last.stats
+    if due is None or s is None:
+        return True
+    per_token = s.decode_seconds / (s.completion_tokens - 1) if s.completion_tokens > 1 else \
+        s.prefill_seconds + s.decode_seconds
+    return time.perf_counter() + per_token <= due
+
+
+def _skipped(last: Chunk, prompt_tokens: int) -> Chunk:
+    """An n_cmpl completion with no time left before the due time: empty, stopped at the limit (llama.vscode drops
+    empty alternatives), its prompt still in the slot."""
+    from edgespec.engine import Chunk, Stats
+    return Chunk("", [], [], "length", Stats(prompt_tokens=prompt_tokens, cached_prompt_tokens=prompt_tokens),
+                 slot=last.slot)
 
 
 def _piece(data: bytes) -> str | list[int]:

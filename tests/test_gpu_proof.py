@@ -151,13 +151,16 @@ def test_a_second_call_runs_nothing_again(proof):
 def test_measured_curves_merge_into_the_table_and_the_planner_reads_them(proof, tmp_path):
     table = tmp_path / "measured_curves.json"
     shutil.copyfile(placement.MEASURED_CURVES, table)
+    before = json.loads(table.read_text())["devices"]
     done = script(SCRIPTS / "gpu_proof.py", "curves", proof["out"] / "results.json", "--into", table)
     assert done.returncode == 0, done.stderr
-    (name, entry), = json.loads(table.read_text())["devices"].items()
+    after = json.loads(table.read_text())["devices"]
+    assert {k: after[k] for k in before} == before  # the devices measured before stay as they were
+    (name, entry), = ((k, v) for k, v in after.items() if k not in before)
     at = dict(zip(entry["batches"], entry["ratio"]))
     expected = tuple(at[b] for b in (1, 2, 4, 8, 16))  # the calibration sizes measured, in order
     assert placement.gpu_curve(entry["kind"], name, placement.measured_curves(table)) == expected
-    assert json.loads(placement.MEASURED_CURVES.read_text())["devices"] == {}  # the repository's copy: no GPU yet
+    assert json.loads(placement.MEASURED_CURVES.read_text())["devices"] == before  # the repository's copy: untouched
 
 
 def test_a_measured_curve_replaces_the_published_one_for_its_device_only(tmp_path, monkeypatch):

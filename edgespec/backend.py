@@ -125,10 +125,10 @@ def supports_rpc() -> bool:
 def _context_params(cfg: LoadConfig, parks: int) -> llama_cpp.llama_context_params:
     cparams = llama_cpp.llama_context_default_params()
     cparams.n_ctx = (cfg.n_ctx or DEFAULT_N_CTX) * cfg.n_seq
-    cparams.n_batch = cparams.n_ubatch = cfg.n_batch
     # One buffer for every sequence (llama-server's default too): a chunk moves to a park sequence and back by
     # changing which sequences its cells belong to, with no copy.
     cparams.n_seq_max = cfg.n_seq + parks
+    cparams.n_batch = cparams.n_ubatch = max(cfg.n_batch, cparams.n_seq_max)  # else llama.cpp aborts (n_outputs_max)
     cparams.kv_unified = True
     cparams.n_threads = cparams.n_threads_batch = cfg.n_threads
     cparams.no_perf = True

@@ -173,3 +173,12 @@ def test_weights_read_into_memory_survive_the_file_being_overwritten_in_place(tm
     """)
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert (p.returncode, p.stdout) == (0, "True\n"), p.stderr[-2000:]
+
+
+def test_a_batch_smaller_than_the_sequences_is_raised_to_them(smollm_path):
+    # llama.cpp needs an output row per sequence (the slots and the park sequences) in a batch: asked for less, it
+    # aborted the process at context creation (GGML_ASSERT n_outputs_max), as a timing run with B = 1, 2, 4 did.
+    with Model(smollm_path, LoadConfig(n_ctx=256, n_batch=4)) as m:
+        assert m.n_batch >= 9
+        prompt = m.tokenize("The capital of France is")
+        assert m.decode(prompt).shape == (1, m.n_vocab) and m.n_past == len(prompt)

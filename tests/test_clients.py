@@ -102,8 +102,12 @@ def test_llama_vscode_models_props_tokenize_template_and_three_completions(serve
 def test_n_cmpl_completions_past_the_due_time_are_empty_not_late():
     # llama.vscode's 3 completions share one due time; one with no room for a token is skipped (the client drops
     # empty alternatives) instead of decoding one token past it, as each did before.
+    import dataclasses
+
+    from edgespec.config import ANSWER_SLACK, GenerationConfig
     from edgespec.engine import Chunk, Stats
-    from edgespec.server.routes.llama import _room_for_another, _skipped
+    from edgespec.server.routes.llama import _room_for_another, _skipped, _within_budgets
+    from edgespec.server.schemas import Request
 
     last = Chunk("x", [1, 2, 3], finish_reason="length", slot=0,
                  stats=Stats(prompt_tokens=50, completion_tokens=3, prefill_seconds=1.0, decode_seconds=0.2))
@@ -115,6 +119,9 @@ def test_n_cmpl_completions_past_the_due_time_are_empty_not_late():
     skipped = _skipped(last, 50)
     assert (skipped.text, skipped.tokens, skipped.finish_reason, skipped.slot) == ("", [], "length", 0)
     assert skipped.stats.cached_prompt_tokens == 50 and skipped.stats.completion_tokens == 0
+    req = Request(GenerationConfig(deadline=now + 2.0), (), False)
+    assert _within_budgets(req).config.deadline == pytest.approx(now + 2.0 - ANSWER_SLACK)  # the slack: the first's
+    assert _within_budgets(dataclasses.replace(req, config=GenerationConfig())).config.deadline is None
 
 
 def test_continue_autocomplete_and_chat_with_max_tokens_4096(server):

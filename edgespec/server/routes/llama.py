@@ -85,12 +85,12 @@ class LlamaRoutes:
             self.svc.infills.add(cancel)
         try:
             if not req.stream:
-                results = []
+                results, later = [], _within_budgets(req)
                 for i in range(req.n):  # n_cmpl: one after another in the slot that holds the prompt
-                    if results and not _room_for_another(chunks[-1], req.config.deadline):
+                    if results and not _room_for_another(chunks[-1], later.config.deadline):
                         chunks = [_skipped(chunks[-1], len(prompt))]
                     else:
-                        chunks = await self.svc.run(request, prompt, req, cancel)
+                        chunks = await self.svc.run(request, prompt, later if results else req, cancel)
                     final = _llama_final("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
                                          chunks[-1], model, req) | (report or {}) | {"index": i}
                     if req.config.logprobs is not None:
@@ -174,9 +174,17 @@ def _llama_final(text: str, tokens: list[int], last: Chunk, model: str, req: sch
     }
 
 
+def _within_budgets(req: schemas.Request) -> schemas.Request:
+    """n_cmpl's later completions end within the client's budgets: the answer's slack past them (ANSWER_SLACK) is
+    the first completion's alone, since llama.vscode shows the first and the others would only delay it."""
+    due = req.config.deadline
+    return req if due is None else dataclasses.replace(req, config=dataclasses.replace(req.config,
+                                                                                       deadline=due - ANSWER_SLACK))
+
+
 def _room_for_another(last: Chunk, due: float | None) -> bool:
-    """Whether one more of n_cmpl's completions can decode a token before the answer is due: a token costs what
-    one did in the last completion (its whole time when it had one token)."""
+    """Whether one more of n_cmpl's completions can decode a token before `due`: a token costs what one did in the
+    last completion (its whole time when it had one token)."""
     s = last.stats
     if due is None or s is None:
         return True

@@ -19,13 +19,24 @@ def run_cli(*args: str):
 
 
 def llama_cpp_python_greedy(path, prompt: str, n: int, flash_attn: bool, n_ctx: int = 1024) -> str:
+    from unittest import mock
+
+    import llama_cpp.llama_cpp as lib
     from llama_cpp import Llama
 
+    from edgespec.backend import amx_build
     from edgespec.config import default_threads
 
+    def params():  # where edgespec keeps weights out of the extra buffer types (AMX builds), so does this side
+        p = default_params()
+        p.use_extra_bufts = not amx_build()
+        return p
+
     threads = default_threads()  # edgespec's own default, so that both sides run alike
-    llm = Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn,
-                verbose=False)
+    default_params = lib.llama_model_default_params
+    with mock.patch.object(lib, "llama_model_default_params", params):  # Llama has no argument for it
+        llm = Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn,
+                    verbose=False)
     try:
         return llm.create_completion(prompt, max_tokens=n, temperature=0.0)["choices"][0]["text"]
     finally:

@@ -55,6 +55,7 @@ CHECK_SECONDS = 180  # one crash check; a hang past this is an answer too ("hung
 BUILD_SECONDS = 3600
 STEP_SECONDS = 600
 TAIL_LINES = 40
+PRELOAD = "libstdc++.so.6"  # the C++ runtime, for builds whose libraries carry copies of their own
 DEADLINE = 540  # seconds a call may spend: the device tool stops a command at 600
 
 
@@ -106,7 +107,16 @@ class Run:
         paths = [str(self.site), str(ROOT), *([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])]
         env.update(PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1",
                    EDGESPEC_CACHE=str(self.work / "cache" / "models"), EDGESPEC_MEMORY_DIR=str(self.work / "memory"))
+        if self.preload and not env.get("LD_PRELOAD"):
+            env["LD_PRELOAD"] = PRELOAD
         return env
+
+    @property
+    def preload(self) -> bool:
+        """Whether the crash checks found that edgespec's load dies unless the C++ runtime is preloaded."""
+        checks = (self.done("crash") or {}).get("checks", {})
+        return (checks.get("load-edgespec", {}).get("status") == "crashed"
+                and checks.get("load-edgespec-preload", {}).get("status") == "ok")
 
     def result_path(self, name: str) -> Path:
         return self.out / "steps" / f"{name}.json"
@@ -171,12 +181,13 @@ def status_of(ended: dict) -> str:
     return "ok" if ended["rc"] == 0 else "failed"
 
 
-def worker(run: Run, name: str, args: list[str], limit: float = STEP_SECONDS) -> dict:
+def worker(run: Run, name: str, args: list[str], limit: float = STEP_SECONDS, env: dict[str, str] | None = None
+           ) -> dict:
     """One gpu_workers.py subcommand under faulthandler: how it ended, and its answer when it wrote one."""
     answer = run.work / "answers" / f"{name}.json"
     answer.unlink(missing_ok=True)
     ended = isolated(run, name, [sys.executable, "-X", "faulthandler", str(WORKERS), "--result", str(answer), *args],
-                     limit)
+                     limit, env=env)
     ended["status"] = status_of(ended)
     if answer.is_file():
         ended["answer"] = json.loads(answer.read_text())
@@ -385,12 +396,13 @@ def check_layout(run: Run) -> dict:
             "compared": len(c_side)}
 
 
-def load_check(gguf_path: Path, ngl: int = 0, no_mmap: bool = False, no_repack: bool = False) -> Callable:
+def load_check(gguf_path: Path, ngl: int = 0, no_mmap: bool = False, no_repack: bool = False,
+               edgespec: bool = False, env: dict[str, str] | None = None) -> Callable:
     args = ["load", str(gguf_path), "--ngl", str(ngl), *(["--no-mmap"] if no_mmap else []),
-            *(["--no-repack"] if no_repack else [])]
+            *(["--no-repack"] if no_repack else []), *(["--edgespec"] if edgespec else [])]
 
     def check(run: Run, name: str) -> dict:
-        ended = worker(run, f"crash-{name}", args, CHECK_SECONDS)
+        ended = worker(run, f"crash-{name}", args, CHECK_SECONDS, env)
         if ended["status"] == "ok" and not (ended.get("answer") or {}).get("loaded"):
             ended["status"] = "failed"
         return ended | {"params": {"n_gpu_layers": ngl, "mmap": not no_mmap, "use_extra_bufts": not no_repack}}
@@ -481,6 +493,10 @@ def crash_checks(run: Run) -> list[tuple[str, Callable]]:
         ("load-no-mmap-no-repack", load_check(target, no_mmap=True, no_repack=True)),
         ("load-gpu", load_check(target, ngl=999) if not run.cpu else
          lambda run, name: {"status": "skipped", "reason": "--cpu: no GPU to offload to"}),
+        # edgespec's own load (numpy first): on the H200's image only this one died, and the C++ runtime preloaded
+        # saved it; when it does again, every measurement runs with that preload (Run.env)
+        ("load-edgespec", load_check(target, edgespec=True)),
+        ("load-edgespec-preload", load_check(target, edgespec=True, env={"LD_PRELOAD": PRELOAD})),
         ("completion-default", completion_check(target, "auto")),
         ("completion-no-mmap", completion_check(target, "none")),
     ]
@@ -504,6 +520,10 @@ def verdict(checks: dict[str, dict]) -> str:
         line = "llama.cpp loads the random GGUF here with its defaults (mmap, repacking): no crash on this machine"
         if st.get("load-gpu") not in ("ok", "skipped", None):
             line = f"loads on the CPU, but with every layer on the GPU it {st['load-gpu']}"
+        elif st.get("load-edgespec") == "crashed":
+            line = ("llama.cpp's own load works, but edgespec's (numpy imported first) crashes: " +
+                    (f"the measurements run with LD_PRELOAD={PRELOAD}, which saves it"
+                     if st.get("load-edgespec-preload") == "ok" else f"LD_PRELOAD={PRELOAD} does not save it"))
     elif st.get("load-no-mmap") == "ok" and st.get("load-no-repack") != "ok":
         line = ("crashes only when the file is mapped: load with mmap off (LoadConfig(mmap=False), "
                 "llama.cpp's -lm none); a failed mapping, as gVisor reports it")
@@ -571,6 +591,7 @@ def step_timing(run: Run) -> dict:
     measured = {role: (units[f"{role}-{basis}"].get("answer")) for role in ("target", "draft")}
     ok = all(measured.values())
     return {"status": "ok" if ok else "failed", "basis": basis, "loaded_without_mmap": bool(mmap_flag(run)),
+            "ld_preload": PRELOAD if run.preload else None,
             "units": units, "target": measured["target"], "draft": measured["draft"]}
 
 

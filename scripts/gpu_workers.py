@@ -97,6 +97,8 @@ def cmd_imports(args: argparse.Namespace) -> dict:
 
 
 def cmd_load(args: argparse.Namespace) -> dict:
+    if args.edgespec:
+        return _load_edgespec(args)
     stage("import llama_cpp")
     import llama_cpp
 
@@ -125,6 +127,26 @@ def cmd_load(args: argparse.Namespace) -> dict:
         result["decode_rc"] = int(llama_cpp.llama_decode(ctx, batch))
         llama_cpp.llama_free(ctx)
     llama_cpp.llama_model_free(model)
+    stage("freed")
+    return result
+
+
+def _load_edgespec(args: argparse.Namespace) -> dict:
+    """The load as edgespec makes it: numpy imported before llama_cpp, edgespec's log callback, its parameters. On
+    the H200's image this died where llama.cpp's own load did not (docs/gpu-kit.md, the first run)."""
+    stage("import numpy, then edgespec.backend")
+    import numpy  # noqa: F401
+
+    from edgespec.backend import Model
+    from edgespec.config import LoadConfig
+
+    t = time.perf_counter()
+    stage(f"edgespec Model {args.gguf} ({args.ngl} layers on the GPU)")
+    with Model(args.gguf, LoadConfig(n_ctx=256, n_batch=64, n_gpu_layers=args.ngl, mmap=not args.no_mmap,
+                                     repack=not args.no_repack)) as m:
+        result = {"loaded": True, "load_seconds": time.perf_counter() - t, "mapped": mapped_libraries()}
+        stage("decode of one token")
+        result["decode_rc"] = 0 if m.decode([0]).shape[0] == 1 else 1
     stage("freed")
     return result
 
@@ -367,6 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ngl", type=int, default=0)
     p.add_argument("--no-mmap", action="store_true")
     p.add_argument("--no-repack", action="store_true")
+    p.add_argument("--edgespec", action="store_true", help="load through edgespec.backend, numpy imported first")
     p = sub.add_parser("timing")
     p.add_argument("gguf", type=Path)
     p.add_argument("--layout", choices=("full", "half", "cpu"), required=True)

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 STEPS = ("kit", "wheels", "llama", "ggufs", "crash", "timing", "lockstep", "replay", "onnx", "curves")
 CRASH_CHECKS = ("imports", "layout", "load-default", "load-no-mmap", "load-no-repack", "load-no-mmap-no-repack",
-                "load-gpu", "completion-default", "completion-no-mmap", "script-segv", "backtrace")
+                "load-gpu", "load-edgespec", "load-edgespec-preload", "completion-default", "completion-no-mmap",
+                "script-segv", "backtrace")
 
 
 def script(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -127,6 +128,9 @@ def test_the_crash_checks_answer_in_order_and_a_crash_is_recorded_not_fatal(proo
     assert checks["imports"]["status"] == "ok" and checks["imports"]["libllama"]
     assert checks["load-default"]["status"] == "ok" and checks["load-default"]["answer"]["decode_rc"] == 0
     assert checks["load-gpu"]["reason"].startswith("--cpu")
+    for name in ("load-edgespec", "load-edgespec-preload"):  # edgespec's own load, as the measurements make it
+        assert checks[name]["status"] == "ok" and checks[name]["answer"]["decode_rc"] == 0, checks[name]
+    assert step(proof, "timing")["ld_preload"] is None  # nothing preloaded where edgespec's load survives
     segv = checks["script-segv"]
     assert segv["status"] == "crashed" and segv["signal"] == "SIGSEGV"
     assert any("string_at" in line for line in segv["faulthandler"])

@@ -48,7 +48,8 @@ LLAMA_TEMPERATURE = 0.8
 INFILL_CACHE_REUSE = 16
 FIM_LAYOUTS = ("prefix", "middle")  # where /infill puts the typed part of the cursor line (prompts.fim)
 DEFAULT_FIM_LAYOUT = "prefix"
-TIME_LIMIT_GRACE = 0.5  # seconds past GenerationConfig.time_limit that a line may run before it is cut
+# Seconds past GenerationConfig.time_limit that a line may run before it is cut: as long again, at most this.
+TIME_LIMIT_GRACE = 0.5
 # An /infill sent with both editor budgets (t_max_prompt_ms, t_max_predict_ms) is due this long after their sum,
 # counted from its arrival (GenerationConfig.deadline; no cycle starts that would end past it, as long as the last
 # one): the response fits in the second the editor's user is promised past the budgets.
@@ -180,8 +181,9 @@ class GenerationConfig:
     # takes effect within one: background warm-ups use small ones.
     prompt_batch: int | None = None
     # llama.cpp's t_max_predict_ms, in seconds: once this much time has passed since the first token,
-    # the next token holding a newline ends the generation ("length"); TIME_LIMIT_GRACE later any token ends it,
-    # since an editor waits on its answer, not on a line that runs on (llama.cpp waits for the newline).
+    # the next token holding a newline ends the generation ("length"); as long again later (TIME_LIMIT_GRACE at most)
+    # any token ends it, since an editor waits on its answer, not on a line that runs on (llama.cpp waits for the
+    # newline).
     time_limit: float | None = None
     # time.perf_counter() by which the answer is due (an editor's budgets from the request's arrival): a token after
     # which another cycle as long as the last would end past it ends the generation ("length"), whatever time_limit

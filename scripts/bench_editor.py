@@ -10,7 +10,8 @@ cursor, 64 after).
 
 Both servers get the same requests in the same order; the one not being asked is frozen (SIGSTOP), so neither's
 background work runs in the other's time, and after each answer the server that gave it keeps the machine for the
-user's think time (--think). Reported per server: median and p90 latency of the requests the user waits on, prompt
+user's think time (--think). edgespec starts each run with an empty memory (a new project's first session), so
+what it remembers is this run's own answers. Reported per server: median and p90 latency of the requests the user waits on, prompt
 tokens evaluated per request (timings.prompt_n), completions that agree with the file's real next text for at
 least 4 characters, and answers slower than t_max_prompt_ms + t_max_predict_ms + 1 s.
 
@@ -27,6 +28,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -43,6 +45,7 @@ from llama_tools import SERVER, tool  # noqa: E402
 
 from edgespec.backend import amx_build  # noqa: E402
 from edgespec.models import fetch  # noqa: E402
+from edgespec.paths import MEMORY_ENV  # noqa: E402
 
 N_PREFIX, N_SUFFIX = 256, 64  # both editors' default windows, in lines
 RING_CHUNK_LINES = 32
@@ -132,10 +135,20 @@ FLAVOURS = {"llama.vim": (vim_fim, vim_warmup), "llama.vscode": (vscode_fim, vsc
 
 
 def accepted(c: Cursor, suggestion: str) -> Cursor:
-    """The cursor after the editor shows `suggestion` and takes it as accepted (its speculative request): its
-    first line appended to the typed text; the real text after it is unknown, so nothing to compare."""
-    first = suggestion.split("\n", 1)[0]
-    return Cursor(c.path, c.line, c.col + len(first), c.prefix, c.suffix, c.typed + first, c.indent, "")
+    """The cursor of the editor's speculative request after it shows `suggestion`, built as llama.vim's
+    s:fim_ctx_local builds it: trailing empty lines dropped, one line appended to the typed text; with more, the
+    lines but the last join the prefix (its window giving up as many lines at its start) and the last is the typed
+    text. The real text after it is unknown, so nothing to compare."""
+    shown = suggestion.split("\n")
+    while shown and not shown[-1]:
+        shown.pop()
+    if len(shown) <= 1:
+        first = shown[0] if shown else ""
+        return Cursor(c.path, c.line, c.col + len(first), c.prefix, c.suffix, c.typed + first, c.indent, "")
+    lines = Path(c.path).read_text().splitlines()
+    window = lines[max(0, c.line - N_PREFIX + len(shown) - 1):c.line]
+    prefix = "".join(s + "\n" for s in [*window, c.typed + shown[0], *shown[1:-1]])
+    return Cursor(c.path, c.line, len(shown[-1]), prefix, c.suffix, shown[-1], c.indent, "")
 
 
 def agreement(completion: str, real: str) -> int:
@@ -163,6 +176,7 @@ class Peer:
     name: str
     command: list[str]
     port: int
+    env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
     proc: subprocess.Popen | None = None
     records: list[Record] = field(default_factory=list)
     pending: list[threading.Thread] = field(default_factory=list)
@@ -172,7 +186,8 @@ class Peer:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, log: Path) -> None:
-        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=open(log, "w"),
+                                     env={**os.environ, **self.env})
         deadline = time.time() + 900
         while time.time() < deadline:
             assert self.proc.poll() is None, f"{self.name} exited; see {log}"
@@ -273,7 +288,7 @@ def _ask_pair(p: Peer, c: Cursor, ring: list[dict], fim: Any, think: float) -> N
     data, seconds = p.ask(body)
     p.records.append(_record("fim", where, data, seconds, body, c.real))
     time.sleep(think)
-    if data.get("content"):
+    if data.get("content", "").strip("\n"):  # llama.vim shows no suggestion of empty lines, and asks nothing more
         spec = accepted(c, data["content"])
         body = fim(spec, ring, True)
         data, seconds = p.ask(body)
@@ -336,9 +351,11 @@ def main() -> None:
     table = ["| session | server | requests | median | p90 | prompt tokens evaluated (mean) | right ≥ 4 chars | "
              "over budget + 1 s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for flavour in args.flavours:
+        # edgespec's memory of what it wrote starts empty: earlier runs over the same files would draft the answers
+        memory = tempfile.TemporaryDirectory(prefix="bench-editor-memory-")
         peers = [Peer("edgespec", [sys.executable, "-m", "edgespec.cli", "serve", "-m", str(model), "--ctx",
                                    str(args.ctx), "--threads", str(args.threads), "--port", "18012", "-q",
-                                   *args.edgespec_args.split()], 18012),
+                                   *args.edgespec_args.split()], 18012, {MEMORY_ENV: memory.name}),
                  Peer("llama-server", [str(server_bin), "-m", str(model), "--ctx-size", str(args.ctx), "-t",
                                        str(args.threads), "--cache-reuse", "256", "-ub", "1024", "-b", "1024",
                                        "--host", "127.0.0.1", "--port", "18080",
@@ -353,6 +370,7 @@ def main() -> None:
         finally:
             for p in peers:
                 p.stop()
+            memory.cleanup()
         results["runs"][flavour] = {p.name: [asdict(r) for r in p.records] for p in peers}
         table += summary(peers, flavour)
         args.out.write_text(json.dumps(results, indent=1))

@@ -6,7 +6,7 @@ import pytest
 from edgespec.decoding import reuse
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
 from edgespec.gguf import Vocab
-from edgespec.prompts.fim import NEAR_LINES, SUFFIX_LINES, FimPrompt, Infill, Take, cursor_anchor
+from edgespec.prompts.fim import NEAR_LINES, SUFFIX_LINES, FimPrompt, Infill, Take, accepted, cursor_anchor
 
 PRE, SUF, MID, REP, SEP = 1001, 1002, 1003, 1004, 1005
 QWEN_LIKE = Vocab(n_tokens=2000, type=2, bos=None, eos=1, add_bos=False, fim_pre=PRE, fim_suf=SUF,
@@ -149,3 +149,14 @@ def test_lines_cut_from_one_tokenization_as_from_their_own_text():
     merged = FimPrompt(PLAIN, pairs, piece=lambda t: b"\n\n" if t == 2000 else chr(t).encode())
     tokens, starts = merged.split_lines("a\n\nb\n")
     assert tokens == [ord("a"), 2000, ord("b"), ord("\n")] and starts == [0, 2, 2, 4]  # the blank line inside a token
+
+
+def test_a_shown_suggestion_taken_as_typed_as_llama_vim_asks_next():
+    """llama.vim's s:fim_ctx_local with a previous completion: one line joins the typed text; with more, the lines but
+    the last join the prefix and the last is the typed text; trailing empty lines are dropped first."""
+    at = Infill("def f(x):\n", "\nprint(f(1))\n", "    return", (("a.py", "x = 1\n"),))
+    assert accepted(at, " x + 1\n") == Infill(at.prefix, at.suffix, "    return x + 1", at.extra)
+    assert accepted(at, " (x\n        + 1)\n\n") == Infill("def f(x):\n    return (x\n", at.suffix, "        + 1)",
+                                                      at.extra)
+    assert accepted(at, " (x\n\n  1)") == Infill("def f(x):\n    return (x\n\n", at.suffix, "  1)", at.extra)
+    assert accepted(at, "\n\n") is None and accepted(at, "") is None

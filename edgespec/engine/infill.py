@@ -21,6 +21,10 @@ from edgespec.decoding.costs import PromptRate
 from edgespec.engine.slots import Slot
 from edgespec.prompts.fim import FimPrompt, Infill, Kept, cursor_anchor
 
+# New tokens a request's budget must buy after moving what the slot holds (a re-rotation of every cell of the
+# context) for the move to be worth it; where it buys fewer, the request takes what the slot serves in place and the
+# pauses widen the context.
+MOVE_MIN_GAIN = 64
 WIDEN_LINES_STEP = 4  # of fim.FIT_STEPS: a background step adds 1/64 of the lines a side, done within a pause
 # Texts kept tokenized: a fit tokenizes the prefix, the suffix and the typed text once, and mostly the same ones
 # again on an editor's next request (the same line typed further, its speculative request).
@@ -68,9 +72,16 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
     widest = fim.fit(infill, room).tokens
     chosen = _slot_for(slots, slot, lambda s: new_tokens(s, widest))
     target = slots[chosen]
-    # moving what the slot holds costs a re-rotation before any token's price
-    budget = rate.tokens_within(budget_seconds, kept_of(target, widest).moved > 0) or 0
-    fitted = fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t))
+    fitted, budget = None, rate.tokens_within(budget_seconds) or 0
+    if kept_of(target, widest).moved:  # moving what the slot holds costs a re-rotation before any token's price
+        moving = rate.tokens_within(budget_seconds, True) or 0
+        if moving <= MOVE_MIN_GAIN:
+            in_place = fim.fit(infill, room, max(budget, 1),
+                               lambda t: room + 1 if (k := kept_of(target, t)).moved else k.new)
+            k = kept_of(target, in_place.tokens)
+            fitted = in_place if k.moved == 0 and k.new <= budget else None
+        budget = budget if fitted else moving
+    fitted = fitted or fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t))
     return InfillPrompt(fitted.tokens, fitted.kept, chosen, new_tokens(target, fitted.tokens), budget,
                         lambda: fim.widening(infill, room, fitted, WIDEN_LINES_STEP))
 

@@ -233,6 +233,21 @@ class FimPrompt:
             yield prompt
 
 
+def accepted(infill: Infill, suggestion: str) -> Infill | None:
+    """The request llama.vim sends as soon as it shows `suggestion` at `infill` (its speculative FIM): the suggestion
+    taken as typed. Its first line goes after the typed text; with more lines, the lines but the last join the prefix
+    and the last is the typed text. None for a suggestion of blank lines (llama.vim drops trailing empty ones)."""
+    lines = suggestion.split("\n")
+    while lines and not lines[-1]:
+        lines.pop()
+    if not lines:
+        return None
+    if len(lines) == 1:
+        return Infill(infill.prefix, infill.suffix, infill.typed + lines[0], infill.extra)
+    done = [infill.typed + lines[0], *lines[1:-1]]
+    return Infill(infill.prefix + "".join(line + "\n" for line in done), infill.suffix, lines[-1], infill.extra)
+
+
 def cursor_anchor(prompt: Sequence[int], vocab: Vocab, piece: Callable[[int], bytes]) -> int | None:
     """Where in a FIM prompt cached entries stop being reusable at a new position (decoding.reuse): the start of the
     line before the cursor. Past it an entry moved from an older prompt still holds the old cursor line; kept, it

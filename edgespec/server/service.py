@@ -139,21 +139,25 @@ class Service:
                 self.loaded.target.abort()
             await asyncio.wait([job for _, job in jobs])
 
-    def warm(self, prompts: Callable[[], Iterable[list[int]]], config: GenerationConfig, delay: float = 0.0) -> None:
-        """Evaluate each of `prompts` in turn into the cache of `config`'s slot while nobody waits, from `delay`
-        seconds on until the next request (each prompt is the one before it with more context: what was evaluated
-        stays usable)."""
+    def warm(self, prompts: Callable[[], Iterable[list[int]]], config: GenerationConfig, delay: float = 0.0,
+             now: Callable[[], Iterable[list[int]]] = lambda: ()) -> None:
+        """Evaluate each of `now`, then from `delay` seconds of quiet on each of `prompts`, in turn into the cache of
+        `config`'s slot while nobody waits, until the next request (each prompt is the one before it with more
+        context: what was evaluated stays usable)."""
         eng, cancel = self.engine(), threading.Event()
         config = dataclasses.replace(config, max_tokens=0, prompt_batch=BACKGROUND_BATCH, memory=None)
 
-        def work() -> None:
-            if _quiet_for(delay, cancel):
-                return
-            for prompt in prompts():
+        def evaluated(each: Callable[[], Iterable[list[int]]]) -> bool:
+            for prompt in each():
                 if cancel.is_set():
-                    return
+                    return False
                 for _ in eng.stream(prompt, config, (), cancel):
                     pass
+            return not cancel.is_set()
+
+        def work() -> None:
+            if evaluated(now) and not _quiet_for(delay, cancel):
+                evaluated(prompts)
 
         self._background(cancel, self.submit(work))
 

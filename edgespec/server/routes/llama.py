@@ -5,19 +5,21 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgespec.config import ANSWER_SLACK, LLAMA_N_PREDICT, LLAMA_TEMPERATURE, WIDEN_DELAY
+from edgespec.prompts.fim import accepted
 from edgespec.server import logprobs, schemas
 from edgespec.server.http import KEEPALIVE, SSE_HEADERS, guard, sse, sse_guard
 from edgespec.server.service import Service, check_request, in_namespace, prompt_of, request_of, spec
 
 if TYPE_CHECKING:
     from edgespec.engine import Chunk
+    from edgespec.engine.infill import InfillPrompt
 
 
 class LlamaRoutes:
@@ -42,8 +44,8 @@ class LlamaRoutes:
 
     async def infill(self, request: Request) -> Response:
         """llama.cpp's /infill: prefix, suffix and extra files around the cursor, as llama.vim sends them; sized to
-        t_max_prompt_ms against what the slot holds (engine.infill). When the budget cut the context, the rest is
-        evaluated in the background after the answer, so the next request can take it."""
+        t_max_prompt_ms against what the slot holds (engine.infill). After the answer, in the background: the prompt
+        of llama.vim's speculative request for it, then after a pause the context the budget cut."""
         arrival = time.perf_counter()
         body = await self.svc.body_of(request)
         eng = self.svc.engine()
@@ -54,26 +56,37 @@ class LlamaRoutes:
         await self.svc.preempt()
         room = c.max_tokens if c.max_tokens else LLAMA_N_PREDICT  # kept free for the answer
         layout = self.svc.settings.fim_layout
-        ip = eng.infill_prompt(schemas.infill(body), min(room, eng.n_ctx // 2), budget, c.slot, c.cache_reuse, layout,
-                               warm_up=c.max_tokens == 0)
+        infill, room = schemas.infill(body), min(room, eng.n_ctx // 2)
+        ip = eng.infill_prompt(infill, room, budget, c.slot, c.cache_reuse, layout, warm_up=c.max_tokens == 0)
         due = arrival + budget + c.time_limit + ANSWER_SLACK if budget is not None and c.time_limit else None
         req = dataclasses.replace(req, config=dataclasses.replace(c, slot=ip.slot, deadline=due))
         report = {"truncated": ip.kept.cut, "infill": {"layout": layout, "budget_tokens": ip.budget_tokens,
                                                        **ip.kept.to_dict()}}
+        shown: dict[str, InfillPrompt] = {}
 
-        def widen() -> None:
-            if ip.kept.cut and budget is not None and not self.svc.draining:
-                self.svc.warm(ip.widening, req.config, WIDEN_DELAY)
+        def ahead(answer: str) -> Iterator[list[int]]:
+            """The prompt of llama.vim's speculative request, sent as soon as it shows the answer."""
+            if (nxt := accepted(infill, answer)) is not None:
+                shown["next"] = eng.infill_prompt(nxt, room, budget, ip.slot, c.cache_reuse, layout)
+                yield shown["next"].tokens
+
+        def wider() -> Iterator[list[int]]:
+            widest = shown.get("next", ip)
+            return widest.widening() if widest.kept.cut else iter(())
+
+        def after(answer: str) -> None:  # budgeted requests are an editor's: evaluate in the pauses what comes next
+            if budget is not None and not self.svc.draining and c.max_tokens != 0:
+                self.svc.warm(wider, req.config, WIDEN_DELAY, now=lambda: ahead(answer))
 
         return await self.respond(request, ip.tokens, req, "the infill prompt ('input_prefix', 'input_suffix', "
                                                            "'prompt', 'input_extra')", infill=True, report=report,
-                                  after=widen)
+                                  after=after)
 
     async def respond(self, request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
                       infill: bool = False, report: dict[str, Any] | None = None,
-                      after: Callable[[], None] | None = None) -> Response:
+                      after: Callable[[str], None] | None = None) -> Response:
         """Run the generation and answer as llama.cpp does; `report` joins the final object, `after` runs once the
-        answer is complete."""
+        answer is complete, with its (first completion's) text."""
         check_request(self.svc.engine(), prompt, prompt_name, req)
         req = in_namespace(request, req)
         model, piece = self.svc.settings.model_name, self.svc.engine().target.token_piece
@@ -85,20 +98,21 @@ class LlamaRoutes:
             self.svc.infills.add(cancel)
         try:
             if not req.stream:
-                results, later = [], _within_budgets(req)
+                results, texts, later = [], [], _within_budgets(req)
                 for i in range(req.n):  # n_cmpl: one after another in the slot that holds the prompt
                     if results and not _room_for_another(chunks[-1], later.config.deadline):
                         chunks = [_skipped(chunks[-1], len(prompt))]
                     else:
                         chunks = await self.svc.run(request, prompt, later if results else req, cancel)
-                    final = _llama_final("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
-                                         chunks[-1], model, req) | (report or {}) | {"index": i}
+                    texts.append("".join(c.text for c in chunks))
+                    final = _llama_final(texts[-1], [t for c in chunks for t in c.tokens], chunks[-1], model, req) \
+                        | (report or {}) | {"index": i}
                     if req.config.logprobs is not None:
                         final["completion_probabilities"] = logprobs.llama(
                             [lp for c in chunks for lp in c.logprobs or []], piece)
                     results.append(schemas.pick_fields(final, req.response_fields))
                 if after is not None:
-                    after()
+                    after(texts[0])
                 return JSONResponse(results if req.n > 1 else results[0])
         finally:
             if not req.stream:
@@ -106,6 +120,7 @@ class LlamaRoutes:
         chunks = self.svc.stream_chunks(prompt, req, cancel)
 
         async def events() -> AsyncIterator[str]:
+            text = []
             try:
                 async for c in chunks:
                     if c is None:
@@ -114,8 +129,9 @@ class LlamaRoutes:
                         final = _llama_final("", [], c, model, req) | (report or {})
                         yield sse(schemas.pick_fields(final, req.response_fields))
                         if after is not None:
-                            after()
+                            after("".join(text))
                     elif c.text or c.tokens:
+                        text.append(c.text)
                         event = {"content": c.text, "tokens": c.tokens, "stop": False}
                         if c.logprobs:
                             event["completion_probabilities"] = logprobs.llama(c.logprobs, piece)

@@ -234,9 +234,10 @@ class FimPrompt:
 
 
 def accepted(infill: Infill, suggestion: str) -> Infill | None:
-    """The request llama.vim sends as soon as it shows `suggestion` at `infill` (its speculative FIM): the suggestion
-    taken as typed. Its first line goes after the typed text; with more lines, the lines but the last join the prefix
-    and the last is the typed text. None for a suggestion of blank lines (llama.vim drops trailing empty ones)."""
+    """The request llama.vim (its speculative FIM) and llama.vscode (cacheFutureSuggestion) send as soon as they show
+    `suggestion` at `infill`: the suggestion taken as typed. Its first line goes after the typed text; with more
+    lines, the lines but the last join the prefix and the last is the typed text. None for a suggestion of blank
+    lines (both drop trailing empty ones)."""
     lines = suggestion.split("\n")
     while lines and not lines[-1]:
         lines.pop()

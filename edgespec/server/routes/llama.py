@@ -12,6 +12,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgespec.config import ANSWER_SLACK, LLAMA_N_PREDICT, LLAMA_TEMPERATURE, WIDEN_DELAY
+from edgespec.errors import InvalidRequestError
 from edgespec.prompts.fim import accepted
 from edgespec.server import logprobs, schemas
 from edgespec.server.http import KEEPALIVE, SSE_HEADERS, guard, sse, sse_guard
@@ -45,7 +46,8 @@ class LlamaRoutes:
     async def infill(self, request: Request) -> Response:
         """llama.cpp's /infill: prefix, suffix and extra files around the cursor, as llama.vim sends them; sized to
         t_max_prompt_ms against what the slot holds (engine.infill). After the answer, in the background: the prompt
-        of llama.vim's speculative request for it, then after a pause the context the budget cut."""
+        of the editor's next request (the answer taken as typed: prompts.fim.accepted), then after a pause the context
+        the budget cut."""
         arrival = time.perf_counter()
         body = await self.svc.body_of(request)
         eng = self.svc.engine()
@@ -65,9 +67,13 @@ class LlamaRoutes:
         shown: dict[str, InfillPrompt] = {}
 
         def ahead(answer: str) -> Iterator[list[int]]:
-            """The prompt of llama.vim's speculative request, sent as soon as it shows the answer."""
+            """The prompt of the request llama.vim and llama.vscode send as soon as they show the answer (none where
+            it would be refused: its typed text over the room)."""
             if (nxt := accepted(infill, answer)) is not None:
-                shown["next"] = eng.infill_prompt(nxt, room, budget, ip.slot, c.cache_reuse, layout)
+                try:
+                    shown["next"] = eng.infill_prompt(nxt, room, budget, ip.slot, c.cache_reuse, layout)
+                except InvalidRequestError:
+                    return
                 yield shown["next"].tokens
 
         def wider() -> Iterator[list[int]]:
@@ -75,7 +81,7 @@ class LlamaRoutes:
             return widest.widening() if widest.kept.cut else iter(())
 
         def after(answer: str) -> None:  # budgeted requests are an editor's: evaluate in the pauses what comes next
-            if budget is not None and not self.svc.draining and c.max_tokens != 0:
+            if budget is not None and not self.svc.draining:
                 self.svc.warm(wider, req.config, WIDEN_DELAY, now=lambda: ahead(answer))
 
         return await self.respond(request, ip.tokens, req, "the infill prompt ('input_prefix', 'input_suffix', "

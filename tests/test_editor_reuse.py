@@ -14,6 +14,7 @@ from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig
 from edgespec.backend import Model
 from edgespec.config import LoadConfig as Load
 from edgespec.decoding import reuse
+from edgespec.decoding.costs import PromptRate
 from edgespec.prompts.fim import NEAR_LINES, Infill, accepted
 
 SOURCE = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(80)]  # 80 two-line functions
@@ -131,11 +132,12 @@ def test_llama_vim_speculative_request_costs_a_handful_of_prompt_tokens(server):
     """After a suggestion is shown, llama.vim asks again as if it were accepted; the server evaluated that prompt
     while the suggestion was read, so the request finds it cached."""
     fim = {"input_prefix": "".join(SOURCE[:20]) + "def add(a, b):\n", "input_suffix": "\n\nprint(add(1, 2))\n",
-           "prompt": "    return a", "n_predict": 16, "temperature": 0, "t_max_prompt_ms": 2000,
+           "prompt": "    return a", "n_predict": 16, "temperature": 0, "t_max_prompt_ms": 60000,
            "t_max_predict_ms": 250, "samplers": ["top_k", "top_p", "infill"]}
     first = httpx.post(server.url + "/infill", json=fim, timeout=300).json()
     shown = accepted(Infill(fim["input_prefix"], fim["input_suffix"], fim["prompt"]), first["content"])
-    assert shown is not None, first
+    kept, given = first["infill"]["prefix_tokens"]
+    assert shown is not None and kept == given, first  # a budget that cuts no line before the cursor on any machine
     idle(server)
     spec = httpx.post(server.url + "/infill", json={**fim, "input_prefix": shown.prefix, "prompt": shown.typed,
                                                     "t_max_predict_ms": 1000}, timeout=300).json()
@@ -226,3 +228,27 @@ def test_a_request_cancels_background_work_registered_while_it_waited_to_preempt
         return warm_up.is_set() and not svc.background
 
     assert asyncio.run(scenario())
+
+
+def test_a_warm_request_takes_what_its_slot_serves_in_place_unless_a_move_buys_enough(qwen_draft_path):
+    """Moving the slot's cached prompt re-rotates the whole cache: a request whose budget would buy fewer than
+    MOVE_MIN_GAIN new tokens after that keeps the cached prompt as it is; one that buys more widens its context."""
+    infill = Infill("".join(SOURCE), "\n" + "".join(SOURCE[:4]), "    ")
+    prices = ((1, 64), (0.05, 0.4))  # a slow CPU's, the same on every machine: 0.5 s buys 74 new tokens
+
+    def rate(shift: float) -> PromptRate:
+        r = PromptRate(*prices)
+        r.shift = shift
+        return r
+
+    with Engine(EngineConfig(str(qwen_draft_path), proposer="none", load=LoadConfig(n_ctx=4096))) as eng:
+        eng.prompt_rate = rate(0.0)
+        first = eng.infill_prompt(infill, 16, 0.5, cache_reuse=16)
+        assert first.kept.cut
+        eng.generate(first.tokens, GenerationConfig(max_tokens=1, cache_reuse=16, memory=None, slot=first.slot))
+        eng.prompt_rate = rate(0.3)  # after a move 0.2 s would be left: 28 new tokens
+        again = eng.infill_prompt(infill, 16, 0.5, cache_reuse=16)
+        assert again.tokens == first.tokens and again.new_tokens <= 1
+        eng.prompt_rate = rate(0.0)  # a free move: the budget's tokens go to more lines before the cursor
+        wider = eng.infill_prompt(infill, 16, 0.5, cache_reuse=16)
+        assert wider.kept.prefix_tokens[0] > first.kept.prefix_tokens[0], (first.kept, wider.kept)

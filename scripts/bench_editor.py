@@ -11,9 +11,9 @@ cursor, 64 after).
 Both servers get the same requests in the same order; the one not being asked is frozen (SIGSTOP), so neither's
 background work runs in the other's time, and after each answer the server that gave it keeps the machine for the
 user's think time (--think). edgespec starts each run with an empty memory (a new project's first session), so
-what it remembers is this run's own answers. Reported per server: median and p90 latency of the requests the user waits on, prompt
-tokens evaluated per request (timings.prompt_n), completions that agree with the file's real next text for at
-least 4 characters, and answers slower than t_max_prompt_ms + t_max_predict_ms + 1 s.
+what it remembers is this run's own answers. Reported per server: median and p90 latency of the requests the user
+waits on, prompt tokens evaluated per request (timings.prompt_n), completions that agree with the file's real next
+text for at least 4 characters, and answers slower than t_max_prompt_ms + t_max_predict_ms + 1 s.
 
     python scripts/llama_tools.py --server          # once: about 20 minutes on 2 cores
     python scripts/bench_editor.py --out bench-results/editor.json

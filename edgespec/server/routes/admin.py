@@ -32,8 +32,8 @@ class AdminRoutes:
             return JSONResponse({"status": "error", "error": self.svc.load_error}, status_code=500)
         if self.svc.loaded is None:
             return JSONResponse({"status": "loading"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": self.svc.settings.model_name, "generations": dict(self.svc.finished),
-                             "background_jobs": len(self.svc.background)})
+        return JSONResponse({"status": "ok", "model": self.svc.settings.model_name,
+                             "generations": dict(self.svc.finished), "background_jobs": len(self.svc.background)})
 
     async def models(self, request: Request) -> Response:
         """OpenAI's list, with llama.cpp's owner and `meta`: llama.vscode reads them to find the context size."""

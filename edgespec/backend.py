@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import itertools
 import logging
 import re
 import sys
@@ -24,8 +25,11 @@ import llama_cpp.llama_grammar
 import numpy as np
 
 from edgespec.config import DEFAULT_N_CTX, LoadConfig
+from edgespec.decoding.loop import FirstSequence
+from edgespec.decoding.rules import check_json_schema
 from edgespec.errors import (ContextOverflowError, EdgespecError, InvalidModelError, InvalidRequestError,
                              UnsupportedModelError, stderr_captured)
+from edgespec import gguf
 from edgespec.gguf import ModelFacts, Vocab, check_gguf_file
 from edgespec.text import to_utf8
 
@@ -85,10 +89,6 @@ def read_facts(path: str | Path) -> ModelFacts:
         return m.facts
 
 
-def supports_gpu_offload() -> bool:
-    return bool(llama_cpp.llama_supports_gpu_offload())
-
-
 def shared_library(name: str) -> ctypes.CDLL:
     """One of the shared libraries the installed llama-cpp-python ships ("ggml", "ggml-base", ...), for what its
     bindings leave out (devices.py)."""
@@ -117,6 +117,19 @@ class RemoteLayers:
         return devices, split
 
 
+def _place_weights(mparams: llama_cpp.llama_model_params, path: Path, cfg: LoadConfig, facts_only: bool,
+                   remote: RemoteLayers | None) -> object:
+    """Where the load puts the weights; what it returns must outlive the load."""
+    mparams.n_gpu_layers = cfg.n_gpu_layers if cfg.n_gpu_layers >= 0 else 999
+    if not (cfg.mmap or facts_only):
+        mparams.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE  # read into memory; the default maps the file
+    if facts_only or not cfg.repack or amx_build():
+        mparams.use_extra_bufts = False  # no repacking (of weights that will not run; AMX: amx_build)
+    if remote is not None:
+        return remote.apply(mparams)
+    return repack_without_amx(mparams, path) if cfg.repack and not facts_only and amx_build() else None
+
+
 def supports_rpc() -> bool:
     """Whether the installed llama.cpp was built with RPC (CMAKE_ARGS=\"-DGGML_RPC=on\")."""
     return bool(llama_cpp.llama_supports_rpc())
@@ -136,37 +149,6 @@ def _context_params(cfg: LoadConfig, parks: int) -> llama_cpp.llama_context_para
     return cparams
 
 
-class FirstSequence:
-    """A model used as its own first KV sequence (`sequences[0]`), as the draft proposer and calibration use it;
-    the llama.cpp model and the ONNX draft (onnx.runtime.OnnxModel) share it."""
-
-    sequences: list
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.sequences[0].tokens
-
-    @property
-    def n_past(self) -> int:
-        return self.sequences[0].n_past
-
-    def decode(self, tokens: Sequence[int], n_outputs: int = 1) -> np.ndarray:
-        return self.sequences[0].decode(tokens, n_outputs)
-
-    def evaluate(self, prompt: Sequence[int], runs: Sequence[tuple[int, int, int]] = (), n_outputs: int = 1,
-                 stop: Callable[[], bool] | None = None, step: int | None = None) -> np.ndarray | None:
-        return self.sequences[0].evaluate(prompt, runs, n_outputs, stop, step)
-
-    def trim(self, n_keep: int) -> int:
-        return self.sequences[0].trim(n_keep)
-
-    def shared_prefix(self, tokens: Sequence[int]) -> int:
-        return self.sequences[0].shared_prefix(tokens)
-
-    def keep_prefix_of(self, tokens: Sequence[int]) -> int:
-        return self.sequences[0].keep_prefix_of(tokens)
-
-
 class Model(FirstSequence):
     """A loaded GGUF and its one-sequence KV cache.
 
@@ -181,12 +163,7 @@ class Model(FirstSequence):
         self.path = path = Path(path)
         check_gguf_file(path)
         mparams = llama_cpp.llama_model_default_params()
-        mparams.n_gpu_layers = cfg.n_gpu_layers if cfg.n_gpu_layers >= 0 else 999
-        if not (cfg.mmap or facts_only):
-            mparams.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE  # read into memory; the default maps the file
-        if facts_only or not cfg.repack or amx_build():
-            mparams.use_extra_bufts = False  # no repacking (of weights that will not run; AMX: amx_build)
-        keep = remote.apply(mparams) if remote is not None else None  # the arrays live until the load returns
+        keep = _place_weights(mparams, path, cfg, facts_only, remote)  # the arrays live until the load returns
         _recent_errors.clear()
         self._model = llama_cpp.llama_model_load_from_file(str(path).encode(), mparams)
         del keep
@@ -511,7 +488,8 @@ class KVSequence:
             raise UnsupportedModelError(f"{self.model.path.name} has a recurrent cache that cannot be cut at position "
                                         f"{n_keep}; use it without speculation (--proposer none)")
         if not llama_cpp.llama_memory_seq_rm(self.model._mem, self.seq_id, n_keep, -1):
-            raise UnsupportedModelError(f"llama.cpp refused to remove positions >= {n_keep} from {self.model.path.name}")
+            raise UnsupportedModelError(f"llama.cpp refused to remove positions >= {n_keep} from "
+                                        f"{self.model.path.name}")
         del self.tokens[n_keep:]
         if (pos := self.pos_max()) != n_keep - 1:
             raise EdgespecError(f"KV cache of {self.model.path.name} ends at {pos} after trimming to {n_keep}")
@@ -612,14 +590,7 @@ class Grammar:
 def json_schema_gbnf(schema: dict, what: str = "json_schema", rule: str = "root") -> str:
     """llama.cpp's own JSON-schema-to-GBNF conversion (the one llama-server uses), of a schema that is valid;
     `rule` names the schema's top rule, so the grammar can be part of a larger one."""
-    import jsonschema  # only here: validating a schema is all edgespec asks of it
-
-    try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as e:
-        where = "/".join(map(str, e.absolute_path)) or "the top level"
-        raise InvalidRequestError(f"{what} is not a valid JSON Schema: {e.message} (at {where}); fix the schema, "
-                                  f"e.g. \"type\" must name a JSON type") from None
+    check_json_schema(schema, what)
     try:
         converter = llama_cpp.llama_grammar.SchemaConverter(prop_order={}, allow_fetch=False, dotall=False,
                                                              raw_pattern=False)
@@ -642,8 +613,37 @@ def amx_build() -> bool:
     """Whether llama.cpp has its AMX kernels, which GCC 12 miscompiles: it drops the tile sizes' stores before the
     tile config's load, so the first matrix product dies (SIGSEGV). Weights then skip the extra buffer types."""
     if amx := "AMX_INT8 = 1" in system_info():
-        log.info("llama.cpp's AMX kernels are off, and with them repacking (docs/robustness.md)")
+        log.info("llama.cpp's AMX kernels are off; weights are repacked by name (docs/robustness.md)")
     return amx
+
+
+def repack_without_amx(mparams: llama_cpp.llama_model_params, path: Path) -> tuple | None:
+    """Puts the weights llama.cpp repacks for AVX2 in its CPU_REPACK buffer by name: an AMX build keeps those faster
+    kernels without AMX (`use_extra_bufts` turns off both). What it returns must outlive the load."""
+    pattern, buft = gguf.repack_pattern(gguf.tensors(path)), _extra_buffer_type(b"CPU_REPACK")
+    if pattern is None or buft is None or "AVX2 = 1" not in system_info():
+        return None
+    text = ctypes.create_string_buffer(pattern.encode())
+    # {pattern, buft} pairs up to a NULL one (llama_model_tensor_buft_override; llama-cpp-python leaves it untyped)
+    overrides = (ctypes.c_void_p * 4)(ctypes.addressof(text), buft, None, None)
+    mparams.tensor_buft_overrides = ctypes.addressof(overrides)
+    return text, overrides
+
+
+@functools.cache
+def _extra_buffer_type(name: bytes) -> int | None:
+    """The CPU backend's extra buffer type of this name ("CPU_REPACK", "AMX"), if the build has it."""
+    reg, dev = shared_library("ggml"), shared_library("ggml-base")
+    reg.ggml_backend_dev_by_type.restype, reg.ggml_backend_dev_by_type.argtypes = ctypes.c_void_p, [ctypes.c_int]
+    for f, args in ((dev.ggml_backend_dev_backend_reg, [ctypes.c_void_p]),
+                    (dev.ggml_backend_reg_get_proc_address, [ctypes.c_void_p, ctypes.c_char_p])):
+        f.restype, f.argtypes = ctypes.c_void_p, args
+    dev.ggml_backend_buft_name.restype, dev.ggml_backend_buft_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    cpu = reg.ggml_backend_dev_by_type(0)
+    get = dev.ggml_backend_reg_get_proc_address(dev.ggml_backend_dev_backend_reg(cpu),
+                                                b"ggml_backend_dev_get_extra_bufts")
+    bufts = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(get)(cpu) if get else [None]
+    return next((b for b in itertools.takewhile(bool, bufts) if dev.ggml_backend_buft_name(b) == name), None)
 
 
 def library_version() -> str:

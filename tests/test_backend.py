@@ -1,10 +1,13 @@
-"""The llama.cpp backend on real GGUF files: facts, tokens, logits rows, KV trimming, bad files."""
+"""The llama.cpp backend on real GGUF files: facts, tokens, logits rows, KV trimming, bad files, weight buffers."""
 
+import logging
+import re
 
 import numpy as np
 import pytest
 
-from edgespec.backend import Model
+from edgespec import gguf
+from edgespec.backend import Model, amx_build
 from edgespec.config import LoadConfig
 from edgespec.errors import ContextOverflowError, InvalidModelError, ModelNotFoundError
 
@@ -182,3 +185,41 @@ def test_a_batch_smaller_than_the_sequences_is_raised_to_them(smollm_path):
         assert m.n_batch >= 9
         prompt = m.tokenize("The capital of France is")
         assert m.decode(prompt).shape == (1, m.n_vocab) and m.n_past == len(prompt)
+
+
+@pytest.mark.parametrize("which", ["smollm_path", "qwen_draft_path", "gemma_path", "qwen_path"])
+def test_the_tensor_directory_is_read_as_the_gguf_package_reads_it(which, request):
+    import gguf as reference
+
+    path = request.getfixturevalue(which)
+    mine = [(t.name, t.ggml_type, t.shape) for t in gguf.tensors(path)]
+    theirs = [(t.name, int(t.tensor_type), tuple(int(n) for n in t.shape)) for t in reference.GGUFReader(path).tensors]
+    assert mine == theirs and len(mine) > 200
+
+
+def test_only_layer_matrices_of_a_repackable_type_go_to_the_repack_buffer():
+    t = gguf.Tensor
+    listing = [t("token_embd.weight", 12, (1536, 151936)),  # read as rows, never multiplied
+               t("blk.0.attn_q.weight", 12, (1536, 1536)), t("blk.0.ffn_down.weight", 14, (8960, 1536)),  # Q6_K
+               t("blk.0.attn_norm.weight", 0, (1536,)), t("blk.1.ffn_up.weight", 2, (1536, 8960)),
+               t("blk.1.attn_k.weight", 20, (1536, 256)), t("blk.2.attn_v.weight", 12, (1536, 260)),  # 260 % 8
+               t("blk.3.ffn_gate_exps.weight", 12, (1536, 512, 8))]
+    pattern = gguf.repack_pattern(listing)
+    assert [x.name for x in listing if re.search(pattern, x.name)] == \
+        ["blk.0.attn_q.weight", "blk.1.ffn_up.weight", "blk.1.attn_k.weight"]
+    assert not re.search(pattern, "blk.0.attn_q.weight.extra") and not re.search(pattern, "blk.10.attn_q.weight")
+    assert gguf.repack_pattern(listing[:1]) is None
+
+
+def test_an_amx_build_repacks_the_weights_without_amx(qwen_draft_path, caplog):
+    """llama.cpp's AMX kernels crash in a GCC 12 build (backend.amx_build), and its switch for them turns off
+    repacking too; edgespec names the repackable weights instead. Elsewhere llama.cpp's own default holds."""
+    with caplog.at_level(logging.DEBUG, logger="edgespec.llama_cpp"), Model(qwen_draft_path, LoadConfig(n_ctx=256)):
+        pass
+    moved = [r.getMessage() for r in caplog.records if "buffer type overridden to CPU_REPACK" in r.getMessage()]
+    names = {m.split()[1] for m in moved}
+    if amx_build():
+        pattern = gguf.repack_pattern(gguf.tensors(qwen_draft_path))
+        assert names == {t.name for t in gguf.tensors(qwen_draft_path) if re.search(pattern, t.name)} and names
+    else:
+        assert not moved

@@ -24,12 +24,16 @@ def llama_cpp_python_greedy(path, prompt: str, n: int, flash_attn: bool, n_ctx: 
     import llama_cpp.llama_cpp as lib
     from llama_cpp import Llama
 
-    from edgespec.backend import amx_build
+    from edgespec.backend import amx_build, repack_without_amx
     from edgespec.config import default_threads
 
-    def params():  # where edgespec keeps weights out of the extra buffer types (AMX builds), so does this side
+    keep = []
+
+    def params():  # the weights in the buffers edgespec puts them in (an AMX build: repacked by name), so the kernels
         p = default_params()
-        p.use_extra_bufts = not amx_build()
+        if amx_build():
+            p.use_extra_bufts = False
+            keep.append(repack_without_amx(p, path))
         return p
 
     threads = default_threads()  # edgespec's own default, so that both sides run alike

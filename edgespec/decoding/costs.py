@@ -32,7 +32,7 @@ COST_DECAY = 0.8  # weight of the past per observed pass: costs follow the conte
 # Per pass of another size, a size's own scale keeps this weight against the next smaller size's, so
 # one dear pass (a deep context, a busy spell) does not keep the larger sizes untried for good.
 COST_STALE_DECAY = 0.98
-CACHE_VERSION = 7
+CACHE_VERSION = 8  # 8: an AMX build repacks its weights by name (backend.repack_without_amx), so its curve changed
 TimingProgress = Callable[[str, int, int], None]  # (model file name, passes timed, passes in all)
 
 

@@ -49,6 +49,37 @@ class Target(Protocol):
     def is_eog(self, token: int) -> bool: ...
 
 
+class FirstSequence:
+    """A model used as its own first KV sequence (`sequences[0]`), as the draft proposer and calibration use it;
+    the llama.cpp model and the ONNX draft (onnx.runtime.OnnxModel) share it."""
+
+    sequences: list
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.sequences[0].tokens
+
+    @property
+    def n_past(self) -> int:
+        return self.sequences[0].n_past
+
+    def decode(self, tokens: Sequence[int], n_outputs: int = 1) -> np.ndarray:
+        return self.sequences[0].decode(tokens, n_outputs)
+
+    def evaluate(self, prompt: Sequence[int], runs: Sequence[tuple[int, int, int]] = (), n_outputs: int = 1,
+                 stop: Callable[[], bool] | None = None, step: int | None = None) -> np.ndarray | None:
+        return self.sequences[0].evaluate(prompt, runs, n_outputs, stop, step)
+
+    def trim(self, n_keep: int) -> int:
+        return self.sequences[0].trim(n_keep)
+
+    def shared_prefix(self, tokens: Sequence[int]) -> int:
+        return self.sequences[0].shared_prefix(tokens)
+
+    def keep_prefix_of(self, tokens: Sequence[int]) -> int:
+        return self.sequences[0].keep_prefix_of(tokens)
+
+
 @dataclass
 class Stats:
     """Counters of one generation.

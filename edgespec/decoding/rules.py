@@ -21,7 +21,7 @@ import numpy as np
 
 from edgespec.decoding import sampling
 from edgespec.config import SamplingConfig
-from edgespec.errors import EdgespecError
+from edgespec.errors import EdgespecError, InvalidRequestError
 
 Dist = tuple[np.ndarray, np.ndarray]  # sparse distribution: (token ids, probabilities)
 InfillKeep = Callable[[np.ndarray, np.ndarray], np.ndarray]  # the ids llama.cpp's infill sampler keeps of a Dist
@@ -146,3 +146,15 @@ class Rules:
                                         "biased to -inf); loosen the grammar or the logit_bias")
                 return ok
         raise AssertionError("unreachable: the last width is the whole vocabulary")
+
+
+def check_json_schema(schema: dict, what: str = "json_schema") -> None:
+    """Refuse a schema that is not a valid JSON Schema, naming where, before it is turned into a grammar."""
+    import jsonschema  # only here: validating a schema is all edgespec asks of it
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "/".join(map(str, e.absolute_path)) or "the top level"
+        raise InvalidRequestError(f"{what} is not a valid JSON Schema: {e.message} (at {where}); fix the schema, "
+                                  f"e.g. \"type\" must name a JSON type") from None

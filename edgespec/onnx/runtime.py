@@ -15,8 +15,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from edgespec.backend import FirstSequence, KVSequence
+from edgespec.backend import KVSequence
 from edgespec.config import DEFAULT_N_BATCH, DEFAULT_N_CTX, DRAFT_DEVICES, LoadConfig
+from edgespec.decoding.loop import FirstSequence
 from edgespec.errors import ContextOverflowError, EdgespecError, InvalidModelError, InvalidRequestError
 from edgespec.onnx.files import OnnxDraftFiles, locate
 

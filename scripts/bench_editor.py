@@ -2,11 +2,11 @@
 llama-server, built from the llama.cpp that llama-cpp-python vendors (scripts/llama_tools.py --server).
 
 A session walks the cursor down real source files, line by line: a completion right after the indent, another
-half-way through the line (the user typed on), and after each suggestion the editor's speculative request (the
-suggestion taken as accepted). Chunks of other files go into the ring of extra context, announced by the editor's
-warm-up request (n_predict 0, fire and forget), the ring dropping its oldest chunk when full. The bodies are the
-editors' own (tests/clients/llama_vim.json, llama_vscode.json), with their default windows (256 lines before the
-cursor, 64 after).
+half-way through the line (the user typed on), and the editor's speculative request (the suggestion taken as
+accepted), which both editors send the moment they show a suggestion. Chunks of other files go into the ring of
+extra context, announced by the editor's warm-up request (n_predict 0, fire and forget), the ring dropping its
+oldest chunk when full. The bodies are the editors' own (tests/clients/llama_vim.json, llama_vscode.json), with
+their default windows (256 lines before the cursor, 64 after).
 
 Both servers get the same requests in the same order; the one not being asked is frozen (SIGSTOP), so neither's
 background work runs in the other's time, and after each answer the server that gave it keeps the machine for the
@@ -282,18 +282,19 @@ def session(peers: list[Peer], flavour: str, files: list[tuple[Path, int, int]],
 
 
 def _ask_pair(p: Peer, c: Cursor, ring: list[dict], fim: Any, think: float) -> None:
-    """The completion at `c`, then the editor's speculative request on the suggestion, each with think time."""
+    """The completion at `c`, then the editor's speculative request on the suggestion, sent the moment the suggestion
+    is shown (llama.vim's s:fim_try_hint, llama.vscode's cacheFutureSuggestion in a setTimeout of 0), then the user's
+    think time."""
     where = f"{Path(c.path).name}:{c.line + 1}:{c.col}"
     body = fim(c, ring, False)
     data, seconds = p.ask(body)
     p.records.append(_record("fim", where, data, seconds, body, c.real))
-    time.sleep(think)
     if data.get("content", "").strip("\n"):  # llama.vim shows no suggestion of empty lines, and asks nothing more
         spec = accepted(c, data["content"])
         body = fim(spec, ring, True)
         data, seconds = p.ask(body)
         p.records.append(_record("speculative", where, data, seconds, body, ""))
-        time.sleep(think)
+    time.sleep(think)
 
 
 def summary(peers: list[Peer], flavour: str) -> list[str]:
@@ -359,7 +360,8 @@ def main() -> None:
                  Peer("llama-server", [str(server_bin), "-m", str(model), "--ctx-size", str(args.ctx), "-t",
                                        str(args.threads), "--cache-reuse", "256", "-ub", "1024", "-b", "1024",
                                        "--host", "127.0.0.1", "--port", "18080",
-                                       # the same kernels as edgespec, which keeps GCC 12's AMX build off them
+                                       # GCC 12's AMX build crashes; llama-server's one switch for it also
+                                       # turns off repacking, which edgespec keeps (backend.repack_without_amx)
                                        *(["--no-repack"] if amx_build() else [])], 18080)]
         peers = [p for p in peers if p.name in args.servers]
         try:

@@ -6,7 +6,8 @@ import pytest
 from edgespec.decoding import reuse
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
 from edgespec.gguf import Vocab
-from edgespec.prompts.fim import NEAR_LINES, SUFFIX_LINES, FimPrompt, Infill, Take, accepted, cursor_anchor
+from edgespec.prompts.fim import (NEAR_LINES, SUFFIX_LINES, FimPrompt, Infill, Take, accepted, continuation,
+                                  cursor_anchor)
 
 PRE, SUF, MID, REP, SEP = 1001, 1002, 1003, 1004, 1005
 QWEN_LIKE = Vocab(n_tokens=2000, type=2, bos=None, eos=1, add_bos=False, fim_pre=PRE, fim_suf=SUF,
@@ -160,3 +161,26 @@ def test_a_shown_suggestion_taken_as_typed_as_llama_vim_asks_next():
                                                       at.extra)
     assert accepted(at, " (x\n\n  1)") == Infill("def f(x):\n    return (x\n\n", at.suffix, "  1)", at.extra)
     assert accepted(at, "\n\n") is None and accepted(at, "") is None
+
+
+def test_the_editors_next_request_is_served_by_the_answer_left_in_the_prompt():
+    """After an answer the editor asks again with the answer taken as typed; the prompt that serves it is the old
+    prompt and the answer's own tokens, where its context is the context the request sends."""
+    fim = FimPrompt(PLAIN, chars)
+    at = Infill("a\nb\ndef f(x):\n", "\nz\n", "    return")
+    prompt, _, _ = fim.tokens(at, Take(prefix_lines=2))  # the budget kept 2 lines of 3
+    answer = " (x\n        + 1)\n\n"
+    generated = chars(answer) + [1]  # the end of text after it
+    cont = continuation(at, answer, prompt, generated, PLAIN, lambda t: chr(t).encode())
+    assert cont.tokens == prompt + chars(" (x\n        + 1)")  # the trailing empty lines are not shown
+    nxt = accepted(at, answer)
+    assert cont.infill == nxt and cont.serves(nxt)
+    assert cont.serves(Infill(nxt.prefix[2:], nxt.suffix, nxt.typed))  # the window dropped a line the prompt lacks
+    assert not cont.serves(Infill(nxt.prefix[4:], nxt.suffix, nxt.typed))  # one the prompt holds
+    assert not cont.serves(Infill(nxt.prefix, nxt.suffix, nxt.typed + "x"))  # typed on
+    assert not cont.serves(Infill(nxt.prefix, nxt.suffix, nxt.typed, (("u.py", "T"),)))  # the ring changed
+    # the shown text must end where a token ends, and the prompt must be a FIM prompt
+    assert continuation(at, " (x\n", prompt, [ord(" "), 5000, 1], PLAIN, lambda t: {5000: b"(x\n  "}.get(
+        t, chr(t).encode())) is None
+    assert continuation(at, answer, chars("plain text"), generated, PLAIN, lambda t: chr(t).encode()) is None
+    assert continuation(at, "\n\n", prompt, generated, PLAIN, lambda t: chr(t).encode()) is None

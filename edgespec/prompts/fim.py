@@ -342,3 +342,41 @@ def _bisect(lo: int, hi: int, build: Callable[[int], T | None], best: tuple[int,
 
 def _count(wanted: int | None, available: int) -> int:
     return available if wanted is None else max(0, min(wanted, available))
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """The request an editor sends as soon as it shows an answer (`accepted`), and the prompt that serves it: the
+    answer's own prompt and tokens, the answer starting the middle where the model wrote it. A typed middle completes
+    worse because it ends inside a token (docs/editors.md); this one holds the model's own tokens."""
+
+    infill: Infill  # the request, as accepted() predicts it
+    held: str  # the end of its prefix that the prompt holds: the editor's window may drop lines before it
+    tokens: list[int]
+
+    def serves(self, request: Infill) -> bool:
+        want = self.infill
+        return ((request.typed, request.suffix, request.extra) == (want.typed, want.suffix, want.extra)
+                and want.prefix.endswith(request.prefix) and request.prefix.endswith(self.held))
+
+
+def continuation(infill: Infill, answer: str, prompt: Sequence[int], generated: Sequence[int], vocab: Vocab,
+                 piece: Callable[[int], bytes], layout: str = "prefix") -> Continuation | None:
+    """How the editor's request after `answer` (a completion of `prompt` at `infill`, its tokens `generated`) is
+    served; None for an answer of blank lines, one whose shown text ends inside a token, or a prompt that is not
+    a FIM prompt of `layout`."""
+    nxt, tokens = accepted(infill, answer), list(prompt)
+    if nxt is None or vocab.fim_pre not in tokens:
+        return None
+    pre = len(tokens) - 1 - tokens[::-1].index(vocab.fim_pre)
+    if vocab.fim_suf not in tokens[pre:]:
+        return None
+    held = b"".join(piece(t) for t in tokens[pre + 1:tokens.index(vocab.fim_suf, pre)])
+    typed = infill.typed.encode() if layout == "prefix" else b""
+    shown, got, k = answer.rstrip("\n").encode(), b"", 0
+    while len(got) < len(shown) and k < len(generated):
+        got, k = got + piece(generated[k]), k + 1
+    if got != shown or not held.endswith(typed):
+        return None
+    held_text = held[:len(held) - len(typed)].decode("utf-8", "replace")
+    return Continuation(nxt, held_text + nxt.prefix[len(infill.prefix):], [*tokens, *generated[:k]])

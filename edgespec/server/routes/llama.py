@@ -13,12 +13,13 @@ from starlette.routing import Route
 
 from edgespec.config import ANSWER_SLACK, LLAMA_N_PREDICT, LLAMA_TEMPERATURE, WIDEN_DELAY
 from edgespec.errors import InvalidRequestError
-from edgespec.prompts.fim import accepted
+from edgespec.prompts.fim import Continuation, Infill, accepted, continuation
 from edgespec.server import logprobs, schemas
 from edgespec.server.http import KEEPALIVE, SSE_HEADERS, guard, sse, sse_guard
 from edgespec.server.service import Service, check_request, in_namespace, prompt_of, request_of, spec
 
 if TYPE_CHECKING:
+    from edgespec.config import GenerationConfig
     from edgespec.engine import Chunk
     from edgespec.engine.infill import InfillPrompt
 
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 class LlamaRoutes:
     def __init__(self, svc: Service) -> None:
         self.svc = svc
+        # Per slot: the editor's request expected after the last answer there, and the prompt it came from.
+        self.follows: dict[int, tuple[Continuation, InfillPrompt]] = {}
 
     def routes(self) -> list[Route]:
         return [Route("/completion", guard(self.completion), methods=["POST"]),
@@ -45,9 +48,10 @@ class LlamaRoutes:
 
     async def infill(self, request: Request) -> Response:
         """llama.cpp's /infill: prefix, suffix and extra files around the cursor, as llama.vim sends them; sized to
-        t_max_prompt_ms against what the slot holds (engine.infill). After the answer, in the background: the prompt
-        of the editor's next request (the answer taken as typed: prompts.fim.accepted), then after a pause the context
-        the budget cut."""
+        t_max_prompt_ms against what the slot holds (engine.infill). The request an editor sends as soon as it shows
+        the answer (the answer taken as typed: prompts.fim.accepted) is served by the prompt and tokens the answer
+        left in the slot (prompts.fim.continuation), or else its prompt is evaluated in the background; after a pause
+        the context the budget cut is widened."""
         arrival = time.perf_counter()
         body = await self.svc.body_of(request)
         eng = self.svc.engine()
@@ -59,11 +63,15 @@ class LlamaRoutes:
         room = c.max_tokens if c.max_tokens else LLAMA_N_PREDICT  # kept free for the answer
         layout = self.svc.settings.fim_layout
         infill, room = schemas.infill(body), min(room, eng.n_ctx // 2)
-        ip = eng.infill_prompt(infill, room, budget, c.slot, c.cache_reuse, layout, warm_up=c.max_tokens == 0)
+        follow = self._follow(infill, c) if c.max_tokens else None
+        ip = follow or eng.infill_prompt(infill, room, budget, c.slot, c.cache_reuse, layout,
+                                         warm_up=c.max_tokens == 0)
+        if c.max_tokens:  # this generation leaves something else in the slot
+            self.follows.pop(ip.slot, None)
         due = arrival + budget + c.time_limit + ANSWER_SLACK if budget is not None and c.time_limit else None
         req = dataclasses.replace(req, config=dataclasses.replace(c, slot=ip.slot, deadline=due))
         report = {"truncated": ip.kept.cut, "infill": {"layout": layout, "budget_tokens": ip.budget_tokens,
-                                                       **ip.kept.to_dict()}}
+                                                       "continued": follow is not None, **ip.kept.to_dict()}}
         shown: dict[str, InfillPrompt] = {}
 
         def ahead(answer: str) -> Iterator[list[int]]:
@@ -80,19 +88,33 @@ class LlamaRoutes:
             widest = shown.get("next", ip)
             return widest.widening() if widest.kept.cut else iter(())
 
-        def after(answer: str) -> None:  # budgeted requests are an editor's: evaluate in the pauses what comes next
-            if budget is not None and not self.svc.draining:
-                self.svc.warm(wider, req.config, WIDEN_DELAY, now=lambda: ahead(answer))
+        def after(answer: str, tokens: list[int]) -> None:  # budgeted requests are an editor's: ready what is next
+            if budget is None or self.svc.draining:
+                return
+            m = eng.target
+            if cont := continuation(infill, answer, ip.tokens, tokens, m.vocab, m.token_bytes, layout):
+                self.follows[ip.slot] = (cont, ip)
+            self.svc.warm(wider, req.config, WIDEN_DELAY, now=lambda: () if cont else ahead(answer))
 
         return await self.respond(request, ip.tokens, req, "the infill prompt ('input_prefix', 'input_suffix', "
                                                            "'prompt', 'input_extra')", infill=True, report=report,
                                   after=after)
 
+    def _follow(self, infill: Infill, c: GenerationConfig) -> InfillPrompt | None:
+        """The prompt an earlier answer left for this request (prompts.fim.Continuation), in the slot it asks for."""
+        eng = self.svc.engine()
+        for slot, (cont, ip) in list(self.follows.items()):
+            if cont.serves(infill) and (c.slot is None or c.slot < 0 or c.slot % len(eng.slots) == slot):
+                del self.follows[slot]
+                new = len(cont.tokens) - eng.slots[slot].cache.shared_prefix(cont.tokens)
+                return dataclasses.replace(ip, tokens=cont.tokens, new_tokens=new)
+        return None
+
     async def respond(self, request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
                       infill: bool = False, report: dict[str, Any] | None = None,
-                      after: Callable[[str], None] | None = None) -> Response:
+                      after: Callable[[str, list[int]], None] | None = None) -> Response:
         """Run the generation and answer as llama.cpp does; `report` joins the final object, `after` runs once the
-        answer is complete, with its (first completion's) text."""
+        answer is complete, with its (first completion's) text and tokens."""
         check_request(self.svc.engine(), prompt, prompt_name, req)
         req = in_namespace(request, req)
         model, piece = self.svc.settings.model_name, self.svc.engine().target.token_piece
@@ -104,13 +126,14 @@ class LlamaRoutes:
             self.svc.infills.add(cancel)
         try:
             if not req.stream:
-                results, texts, later = [], [], _within_budgets(req)
+                results, texts, first, later = [], [], [], _within_budgets(req)
                 for i in range(req.n):  # n_cmpl: one after another in the slot that holds the prompt
                     if results and not _room_for_another(chunks[-1], later.config.deadline):
                         chunks = [_skipped(chunks[-1], len(prompt))]
                     else:
                         chunks = await self.svc.run(request, prompt, later if results else req, cancel)
                     texts.append("".join(c.text for c in chunks))
+                    first = [t for c in chunks for t in c.tokens] if i == 0 else first
                     final = _llama_final(texts[-1], [t for c in chunks for t in c.tokens], chunks[-1], model, req) \
                         | (report or {}) | {"index": i}
                     if req.config.logprobs is not None:
@@ -118,7 +141,7 @@ class LlamaRoutes:
                             [lp for c in chunks for lp in c.logprobs or []], piece)
                     results.append(schemas.pick_fields(final, req.response_fields))
                 if after is not None:
-                    after(texts[0])
+                    after(texts[0], first)
                 return JSONResponse(results if req.n > 1 else results[0])
         finally:
             if not req.stream:
@@ -126,7 +149,7 @@ class LlamaRoutes:
         chunks = self.svc.stream_chunks(prompt, req, cancel)
 
         async def events() -> AsyncIterator[str]:
-            text = []
+            text, tokens = [], []
             try:
                 async for c in chunks:
                     if c is None:
@@ -135,9 +158,10 @@ class LlamaRoutes:
                         final = _llama_final("", [], c, model, req) | (report or {})
                         yield sse(schemas.pick_fields(final, req.response_fields))
                         if after is not None:
-                            after("".join(text))
+                            after("".join(text), tokens)
                     elif c.text or c.tokens:
                         text.append(c.text)
+                        tokens += c.tokens
                         event = {"content": c.text, "tokens": c.tokens, "stop": False}
                         if c.logprobs:
                             event["completion_probabilities"] = logprobs.llama(c.logprobs, piece)
@@ -184,7 +208,8 @@ def _llama_final(text: str, tokens: list[int], last: Chunk, model: str, req: sch
         "stopped_eos": stop_type == "eos", "stopped_limit": stop_type == "limit", "stopped_word": stop_type == "word",
         "cancelled": last.finish_reason == "cancelled",
         "timings": {
-            "cache_n": s.cached_prompt_tokens, "shifted_n": s.shifted_prompt_tokens, "prompt_n": evaluated, "prompt_ms": s.prefill_seconds * 1000,
+            "cache_n": s.cached_prompt_tokens, "shifted_n": s.shifted_prompt_tokens, "prompt_n": evaluated,
+            "prompt_ms": s.prefill_seconds * 1000,
             "prompt_per_token_ms": s.prefill_seconds * 1000 / evaluated if evaluated else 0,
             "prompt_per_second": evaluated / s.prefill_seconds if s.prefill_seconds else 0,
             "predicted_n": s.completion_tokens, "predicted_ms": s.decode_seconds * 1000,

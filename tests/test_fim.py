@@ -169,10 +169,10 @@ def test_the_editors_next_request_is_served_by_the_answer_left_in_the_prompt():
     fim = FimPrompt(PLAIN, chars)
     at = Infill("a\nb\ndef f(x):\n", "\nz\n", "    return")
     prompt, _, _ = fim.tokens(at, Take(prefix_lines=2))  # the budget kept 2 lines of 3
-    answer = " (x\n        + 1)\n\n"
-    generated = chars(answer) + [1]  # the end of text after it
+    answer = " (x\n        + 1)"
+    generated = chars(answer)  # cut by the time limit: the model had not chosen to end there
     cont = continuation(at, answer, prompt, generated, PLAIN, lambda t: chr(t).encode())
-    assert cont.tokens == prompt + chars(" (x\n        + 1)")  # the trailing empty lines are not shown
+    assert cont.tokens == prompt + generated
     nxt = accepted(at, answer)
     assert cont.infill == nxt and cont.serves(nxt)
     assert cont.serves(Infill(nxt.prefix[2:], nxt.suffix, nxt.typed))  # the window dropped a line the prompt lacks
@@ -183,4 +183,7 @@ def test_the_editors_next_request_is_served_by_the_answer_left_in_the_prompt():
     assert continuation(at, " (x\n", prompt, [ord(" "), 5000, 1], PLAIN, lambda t: {5000: b"(x\n  "}.get(
         t, chr(t).encode())) is None
     assert continuation(at, answer, chars("plain text"), generated, PLAIN, lambda t: chr(t).encode()) is None
-    assert continuation(at, "\n\n", prompt, generated, PLAIN, lambda t: chr(t).encode()) is None
+    assert continuation(at, "\n\n", prompt, chars("\n\n"), PLAIN, lambda t: chr(t).encode()) is None
+    # where the model chose the end (its end of text; empty lines the editor drops), it would choose it again
+    assert continuation(at, answer, prompt, generated + [1], PLAIN, lambda t: chr(t).encode()) is None
+    assert continuation(at, answer + "\n\n", prompt, chars(answer + "\n\n"), PLAIN, lambda t: chr(t).encode()) is None

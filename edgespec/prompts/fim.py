@@ -363,8 +363,9 @@ class Continuation:
 def continuation(infill: Infill, answer: str, prompt: Sequence[int], generated: Sequence[int], vocab: Vocab,
                  piece: Callable[[int], bytes], layout: str = "prefix") -> Continuation | None:
     """How the editor's request after `answer` (a completion of `prompt` at `infill`, its tokens `generated`) is
-    served; None for an answer of blank lines, one whose shown text ends inside a token, or a prompt that is not
-    a FIM prompt of `layout`."""
+    served; None for a prompt that is not a FIM prompt of `layout`, and for an answer that the editor does not show
+    whole: blank lines dropped, or an end the model chose (its end-of-generation token, a line the indentation or
+    a stop string cut), which the same prompt would only choose again."""
     nxt, tokens = accepted(infill, answer), list(prompt)
     if nxt is None or vocab.fim_pre not in tokens:
         return None
@@ -376,7 +377,7 @@ def continuation(infill: Infill, answer: str, prompt: Sequence[int], generated: 
     shown, got, k = answer.rstrip("\n").encode(), b"", 0
     while len(got) < len(shown) and k < len(generated):
         got, k = got + piece(generated[k]), k + 1
-    if got != shown or not held.endswith(typed):
+    if got != shown or k < len(generated) or not held.endswith(typed):
         return None
     held_text = held[:len(held) - len(typed)].decode("utf-8", "replace")
     return Continuation(nxt, held_text + nxt.prefix[len(infill.prefix):], [*tokens, *generated[:k]])

@@ -125,9 +125,8 @@ def _place_weights(mparams: llama_cpp.llama_model_params, path: Path, cfg: LoadC
         mparams.load_mode = llama_cpp.LLAMA_LOAD_MODE_NONE  # read into memory; the default maps the file
     if facts_only or not cfg.repack or amx_build():
         mparams.use_extra_bufts = False  # no repacking (of weights that will not run; AMX: amx_build)
-    if remote is not None:
-        return remote.apply(mparams)
-    return repack_without_amx(mparams, path) if cfg.repack and not facts_only and amx_build() else None
+    repack = cfg.repack and not facts_only and amx_build()
+    return remote.apply(mparams) if remote is not None else repack_without_amx(mparams, path) if repack else None
 
 
 def supports_rpc() -> bool:
@@ -618,14 +617,15 @@ def amx_build() -> bool:
 
 
 def repack_without_amx(mparams: llama_cpp.llama_model_params, path: Path) -> tuple | None:
-    """Puts the weights llama.cpp repacks for AVX2 in its CPU_REPACK buffer by name: an AMX build keeps those faster
-    kernels without AMX (`use_extra_bufts` turns off both). What it returns must outlive the load."""
-    pattern, buft = gguf.repack_pattern(gguf.tensors(path)), _extra_buffer_type(b"CPU_REPACK")
+    """Puts the weights llama.cpp repacks for AVX2, of the layers left on the CPU, in its CPU_REPACK buffer by name: an
+    AMX build keeps those kernels without AMX (`use_extra_bufts` turns off both). Returns what must outlive the load."""
+    # a backend besides the CPU's (system_info lists each but RPC) takes the last layers; safe if it finds no GPU
+    on_gpu = mparams.n_gpu_layers if set(re.findall(r"(\w+) : ", system_info())) - {"CPU"} else 0
+    pattern, buft = gguf.repack_pattern(gguf.tensors(path), on_gpu), _extra_buffer_type(b"CPU_REPACK")
     if pattern is None or buft is None or "AVX2 = 1" not in system_info():
         return None
-    text = ctypes.create_string_buffer(pattern.encode())
-    # {pattern, buft} pairs up to a NULL one (llama_model_tensor_buft_override; llama-cpp-python leaves it untyped)
-    overrides = (ctypes.c_void_p * 4)(ctypes.addressof(text), buft, None, None)
+    text = ctypes.create_string_buffer(pattern.encode())  # {pattern, buft} pairs to a NULL one (an untyped field)
+    overrides = (ctypes.c_void_p * 4)(ctypes.addressof(text), buft, None, None)  # llama_model_tensor_buft_override
     mparams.tensor_buft_overrides = ctypes.addressof(overrides)
     return text, overrides
 

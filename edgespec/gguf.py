@@ -19,7 +19,8 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 # ggml_repack_get_optimal_repack_type), rows a multiple of 8; another type there fails llama.cpp's assertion.
 REPACK_TYPES = frozenset({2, 12, 20})
 # A layer's matrices, which only matrix products read (a repacked token embedding would be read as rows: wrong).
-_MATRIX = re.compile(r"blk\.\d+\.(attn_q|attn_k|attn_v|attn_output|attn_qkv|ffn_gate|ffn_up|ffn_down)\.weight")
+_MATRIX = re.compile(r"blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|attn_qkv|ffn_gate|ffn_up|ffn_down)\.weight")
+_LAYER = re.compile(r"blk\.(\d+)\.")  # any tensor of a layer
 
 
 @dataclass(frozen=True)
@@ -116,9 +117,12 @@ def _skip_value(data: mmap.mmap, at: int, kind: int) -> int:
     return at
 
 
-def repack_pattern(listing: list[Tensor]) -> str | None:
+def repack_pattern(listing: list[Tensor], gpu_layers: int = 0) -> str | None:
     """A regular expression of the layer matrices llama.cpp's CPU_REPACK buffer can hold on an AVX2 CPU
-    (REPACK_TYPES); None if there are none."""
+    (REPACK_TYPES), in the layers that stay on the CPU when `gpu_layers` go to a GPU (llama.cpp offloads the last
+    ones, the output layer counting as one); None if there are none."""
+    layers = [int(m.group(1)) for t in listing if (m := _LAYER.match(t.name))]
+    on_cpu = max(layers, default=-1) + 2 - gpu_layers  # layers below this index stay on the CPU
     names = [t.name for t in listing if t.ggml_type in REPACK_TYPES and len(t.shape) == 2 and t.shape[1] % 8 == 0
-             and _MATRIX.fullmatch(t.name)]
+             and (m := _MATRIX.fullmatch(t.name)) and int(m.group(1)) < on_cpu]
     return "^(" + "|".join(re.escape(n) for n in names) + ")$" if names else None

@@ -209,6 +209,10 @@ def test_only_layer_matrices_of_a_repackable_type_go_to_the_repack_buffer():
         ["blk.0.attn_q.weight", "blk.1.ffn_up.weight", "blk.1.attn_k.weight"]
     assert not re.search(pattern, "blk.0.attn_q.weight.extra") and not re.search(pattern, "blk.10.attn_q.weight")
     assert gguf.repack_pattern(listing[:1]) is None
+    # with layers on a GPU, only those left on the CPU: llama.cpp offloads the last ones, the output layer first
+    moved = [x.name for x in listing if re.search(gguf.repack_pattern(listing, gpu_layers=3), x.name)]
+    assert moved == ["blk.0.attn_q.weight", "blk.1.ffn_up.weight", "blk.1.attn_k.weight"]  # blk 0-3 and the output
+    assert gguf.repack_pattern(listing, gpu_layers=1) == pattern and gguf.repack_pattern(listing, 999) is None
 
 
 def test_an_amx_build_repacks_the_weights_without_amx(qwen_draft_path, caplog):

@@ -185,5 +185,6 @@ def test_the_editors_next_request_is_served_by_the_answer_left_in_the_prompt():
     assert continuation(at, answer, chars("plain text"), generated, PLAIN, lambda t: chr(t).encode()) is None
     assert continuation(at, "\n\n", prompt, chars("\n\n"), PLAIN, lambda t: chr(t).encode()) is None
     # where the model chose the end (its end of text; empty lines the editor drops), it would choose it again
-    assert continuation(at, answer, prompt, generated + [1], PLAIN, lambda t: chr(t).encode()) is None
+    assert continuation(at, answer, prompt, generated, PLAIN, lambda t: chr(t).encode(), ended=True) is None
+    assert continuation(at, answer[:-1], prompt, generated, PLAIN, lambda t: chr(t).encode()) is None  # indent cut
     assert continuation(at, answer + "\n\n", prompt, chars(answer + "\n\n"), PLAIN, lambda t: chr(t).encode()) is None

@@ -361,13 +361,13 @@ class Continuation:
 
 
 def continuation(infill: Infill, answer: str, prompt: Sequence[int], generated: Sequence[int], vocab: Vocab,
-                 piece: Callable[[int], bytes], layout: str = "prefix") -> Continuation | None:
+                 piece: Callable[[int], bytes], layout: str = "prefix", ended: bool = False) -> Continuation | None:
     """How the editor's request after `answer` (a completion of `prompt` at `infill`, its tokens `generated`) is
-    served; None for a prompt that is not a FIM prompt of `layout`, and for an answer that the editor does not show
-    whole: blank lines dropped, or an end the model chose (its end-of-generation token, a line the indentation or
-    a stop string cut), which the same prompt would only choose again."""
+    served; None for a prompt that is not a FIM prompt of `layout`, and for an answer that ends where the model
+    chose (`ended`: its end of generation or a stop string) or that the editor does not show whole (blank lines
+    dropped, a line the indentation cut): the same prompt would only choose that end again."""
     nxt, tokens = accepted(infill, answer), list(prompt)
-    if nxt is None or vocab.fim_pre not in tokens:
+    if nxt is None or ended or vocab.fim_pre not in tokens:
         return None
     pre = len(tokens) - 1 - tokens[::-1].index(vocab.fim_pre)
     if vocab.fim_suf not in tokens[pre:]:

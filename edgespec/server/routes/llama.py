@@ -88,11 +88,12 @@ class LlamaRoutes:
             widest = shown.get("next", ip)
             return widest.widening() if widest.kept.cut else iter(())
 
-        def after(answer: str, tokens: list[int]) -> None:  # budgeted requests are an editor's: ready what is next
+        def after(chunks: list[Chunk]) -> None:  # budgeted requests are an editor's: ready what comes next
             if budget is None or self.svc.draining:
                 return
-            m = eng.target
-            if cont := continuation(infill, answer, ip.tokens, tokens, m.vocab, m.token_bytes, layout):
+            m, answer, ended = eng.target, "".join(c.text for c in chunks), chunks[-1].finish_reason == "stop"
+            tokens = [t for c in chunks for t in c.tokens]
+            if cont := continuation(infill, answer, ip.tokens, tokens, m.vocab, m.token_bytes, layout, ended):
                 self.follows[ip.slot] = (cont, ip)
             self.svc.warm(wider, req.config, WIDEN_DELAY, now=lambda: () if cont else ahead(answer))
 
@@ -112,9 +113,9 @@ class LlamaRoutes:
 
     async def respond(self, request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
                       infill: bool = False, report: dict[str, Any] | None = None,
-                      after: Callable[[str, list[int]], None] | None = None) -> Response:
+                      after: Callable[[list[Chunk]], None] | None = None) -> Response:
         """Run the generation and answer as llama.cpp does; `report` joins the final object, `after` runs once the
-        answer is complete, with its (first completion's) text and tokens."""
+        answer is complete, with its (first completion's) chunks."""
         check_request(self.svc.engine(), prompt, prompt_name, req)
         req = in_namespace(request, req)
         model, piece = self.svc.settings.model_name, self.svc.engine().target.token_piece
@@ -126,22 +127,21 @@ class LlamaRoutes:
             self.svc.infills.add(cancel)
         try:
             if not req.stream:
-                results, texts, first, later = [], [], [], _within_budgets(req)
+                results, answers, later = [], [], _within_budgets(req)
                 for i in range(req.n):  # n_cmpl: one after another in the slot that holds the prompt
                     if results and not _room_for_another(chunks[-1], later.config.deadline):
                         chunks = [_skipped(chunks[-1], len(prompt))]
                     else:
                         chunks = await self.svc.run(request, prompt, later if results else req, cancel)
-                    texts.append("".join(c.text for c in chunks))
-                    first = [t for c in chunks for t in c.tokens] if i == 0 else first
-                    final = _llama_final(texts[-1], [t for c in chunks for t in c.tokens], chunks[-1], model, req) \
-                        | (report or {}) | {"index": i}
+                    answers.append(chunks)
+                    final = _llama_final("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
+                                         chunks[-1], model, req) | (report or {}) | {"index": i}
                     if req.config.logprobs is not None:
                         final["completion_probabilities"] = logprobs.llama(
                             [lp for c in chunks for lp in c.logprobs or []], piece)
                     results.append(schemas.pick_fields(final, req.response_fields))
                 if after is not None:
-                    after(texts[0], first)
+                    after(answers[0])
                 return JSONResponse(results if req.n > 1 else results[0])
         finally:
             if not req.stream:
@@ -149,7 +149,7 @@ class LlamaRoutes:
         chunks = self.svc.stream_chunks(prompt, req, cancel)
 
         async def events() -> AsyncIterator[str]:
-            text, tokens = [], []
+            seen: list[Chunk] = []
             try:
                 async for c in chunks:
                     if c is None:
@@ -158,10 +158,9 @@ class LlamaRoutes:
                         final = _llama_final("", [], c, model, req) | (report or {})
                         yield sse(schemas.pick_fields(final, req.response_fields))
                         if after is not None:
-                            after("".join(text), tokens)
+                            after([*seen, c])
                     elif c.text or c.tokens:
-                        text.append(c.text)
-                        tokens += c.tokens
+                        seen.append(c)
                         event = {"content": c.text, "tokens": c.tokens, "stop": False}
                         if c.logprobs:
                             event["completion_probabilities"] = logprobs.llama(c.logprobs, piece)

@@ -181,9 +181,9 @@ class GenerationConfig:
     # takes effect within one: background warm-ups use small ones.
     prompt_batch: int | None = None
     # llama.cpp's t_max_predict_ms, in seconds: once this much time has passed since the first token,
-    # the next token holding a newline ends the generation ("length"); as long again later (TIME_LIMIT_GRACE at most)
-    # any token ends it, since an editor waits on its answer, not on a line that runs on (llama.cpp waits for the
-    # newline).
+    # the next token holding a newline ends the generation ("length"); no cycle starts that would end as long again
+    # later (TIME_LIMIT_GRACE at most), since an editor waits on its answer, not on a line that runs on (llama.cpp
+    # waits for the newline).
     time_limit: float | None = None
     # time.perf_counter() by which the answer is due (an editor's budgets from the request's arrival): a token after
     # which another cycle as long as the last would end past it ends the generation ("length"), whatever time_limit

@@ -145,6 +145,24 @@ def test_a_generation_past_its_deadline_ends_at_its_first_token(smollm_path):
         assert due.finish_reason == "length" and due.tokens == free.tokens[:1]
 
 
+def test_no_cycle_starts_that_would_end_past_the_time_limit_cap(smollm_path, monkeypatch):
+    """t_max_predict_ms ends a line that runs on where it would run as long again past the limit: on a clock where
+    every cycle takes 125 ms, a limit of 250 ms (a cap at 500) keeps the cycle that ends at 500 and no later one."""
+    import itertools
+    import types
+
+    from edgespec.engine import generation
+
+    with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512)) as e:
+        prompt = "Count to fifty: one, two, three,"
+        free = e.generate(prompt, GenerationConfig(max_tokens=12))
+        ticks = itertools.count()
+        monkeypatch.setattr(generation, "time", types.SimpleNamespace(perf_counter=lambda: 1 + next(ticks) * 0.125))
+        capped = e.generate(prompt, GenerationConfig(max_tokens=12, time_limit=0.25))
+        assert "\n" not in e.target.detokenize(free.tokens[:6])  # no newline ends it first
+        assert capped.tokens == free.tokens[:5] and capped.finish_reason == "length"  # first token at 0, last at 0.5
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -124,7 +124,7 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
                                  run.k_max, run.k, reuse=config.reuse_prefix, rules=run.rules,
                                  anchor=run.anchor))
     t_first = t_last = None
-    cycle = 0.0  # the last cycle's seconds: a cycle that would end past the deadline is not started
+    cycle = 0.0  # the last cycle's seconds: a cycle that would end past the deadline or the time cap is not started
     try:
         for tokens, from_draft, done, probs in steps:
             now = time.perf_counter()
@@ -136,7 +136,7 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
                 delta.append(indent.push(text.push(piece)))
                 due = config.deadline is not None and now + cycle > config.deadline
                 late = due or config.time_limit is not None and (
-                    now - t_first > config.time_limit + min(config.time_limit, TIME_LIMIT_GRACE) or
+                    now + cycle - t_first > config.time_limit + min(config.time_limit, TIME_LIMIT_GRACE) or
                     b"\n" in piece and now - t_first > config.time_limit)
                 if text.stopped or indent.stopped or late:  # nothing after the end is emitted
                     tokens, from_draft = tokens[: i + 1], from_draft[: i + 1]

@@ -90,9 +90,10 @@ FIELDS: dict[str, Field] = {
     "max_tokens": Field("as n_predict (llama.cpp reads n_predict, then max_completion_tokens, then max_tokens)"),
     "max_completion_tokens": Field("as n_predict"),
     "stop": Field("up to 16 strings; the text ends before the first one"),
-    "t_max_predict_ms": Field("once this many ms have passed since the first token, the next newline ends it; as "
-                              "long again later (half a second at most) any token does; an /infill with t_max_prompt_ms "
-                              "too ends before a cycle that would end 0.8 s past both budgets from its arrival"),
+    "t_max_predict_ms": Field("once this many ms have passed since the first token, the next newline ends it; no "
+                              "cycle starts that would end as long again later (half a second at most); an /infill "
+                              "with t_max_prompt_ms too ends before a cycle that would end 0.8 s past both budgets "
+                              "from its arrival"),
     "n_indent": Field("a line after the first with less indentation than this ends it (not streamed)"),
     # -- sampling ---------------------------------------------------------------------------------------------
     "temperature": Field("0 or less is greedy; at most 100"),

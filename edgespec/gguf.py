@@ -82,6 +82,14 @@ class Tensor:
 
 def tensors(path: Path) -> list[Tensor]:
     """The GGUF's tensor directory, read past its metadata (format version 2 or 3) without loading a weight."""
+    try:
+        return _tensors(path)
+    except (struct.error, UnicodeDecodeError, ValueError) as e:
+        raise InvalidModelError(f"{path} is truncated or corrupt: its tensor directory cannot be read ({e}); fetch "
+                                f"it again (`edgespec models fetch NAME`) or pick another GGUF") from None
+
+
+def _tensors(path: Path) -> list[Tensor]:
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
         _, n_tensors, n_kv = struct.unpack_from("<IQQ", data, 4)
         at = 24

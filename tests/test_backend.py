@@ -146,6 +146,16 @@ def test_truncated_gguf(tmp_path, smollm_path):
         Model(p)
 
 
+def test_a_gguf_cut_inside_its_metadata_is_refused_by_name(tmp_path, qwen_draft_path):
+    p = tmp_path / "cut.gguf"
+    with open(qwen_draft_path, "rb") as f:
+        p.write_bytes(f.read(4096))  # inside the vocabulary
+    with pytest.raises(InvalidModelError, match="truncated"):
+        gguf.tensors(p)
+    with pytest.raises(InvalidModelError, match="truncated"):
+        Model(p)
+
+
 def test_gemma_loads_with_its_own_vocabulary(gemma_path):
     with Model(gemma_path, LoadConfig(n_ctx=256)) as g:
         assert g.facts.architecture == "gemma3"

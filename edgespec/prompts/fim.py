@@ -128,12 +128,9 @@ class FimPrompt:
         prompt holds (<fim_prefix> to <fim_middle>), so the next completion finds both cached instead of its lines
         evicted by the warm-up; None when the slot holds no FIM part."""
         v, cached = self.vocab, list(cached)
-        if v.fim_pre not in cached:
+        if (pre := _last(cached, v.fim_pre)) is None or (mid := _find(cached, v.fim_mid, pre)) == len(cached):
             return None
-        pre = len(cached) - 1 - cached[::-1].index(v.fim_pre)
-        if v.fim_mid not in cached[pre:]:
-            return None
-        body = cached[pre:cached.index(v.fim_mid, pre) + 1]
+        body = cached[pre:mid + 1]
         return [*self.head(extra), *([v.bos] if v.add_bos and v.bos is not None else []), *body]
 
     def tokens(self, infill: Infill, take: Take = Take()) -> tuple[list[int], list[int], list[int]]:
@@ -238,11 +235,9 @@ def accepted(infill: Infill, suggestion: str) -> Infill | None:
     `suggestion` at `infill`: the suggestion taken as typed. Its first line goes after the typed text; with more
     lines, the lines but the last join the prefix and the last is the typed text. None for a suggestion of blank
     lines (both drop trailing empty ones)."""
-    lines = suggestion.split("\n")
-    while lines and not lines[-1]:
-        lines.pop()
-    if not lines:
+    if not (shown := suggestion.rstrip("\n")):
         return None
+    lines = shown.split("\n")
     if len(lines) == 1:
         return Infill(infill.prefix, infill.suffix, infill.typed + lines[0], infill.extra)
     done = [infill.typed + lines[0], *lines[1:-1]]
@@ -254,10 +249,9 @@ def cursor_anchor(prompt: Sequence[int], vocab: Vocab, piece: Callable[[int], by
     line before the cursor. Past it an entry moved from an older prompt still holds the old cursor line; kept, it
     sends completions astray (a FIM suffix shifted from before the last keystroke: 3 of 30 right, against 11 with
     it evaluated again; docs/bench/editor.md). None when the prompt has no FIM prefix token."""
-    if vocab.fim_pre is None or vocab.fim_suf is None or vocab.fim_pre not in prompt:
-        return None
     tokens = list(prompt)
-    pre = len(tokens) - 1 - tokens[::-1].index(vocab.fim_pre)
+    if vocab.fim_suf is None or (pre := _last(tokens, vocab.fim_pre)) is None:
+        return None
     # the cursor: where the prefix ends, at <fim_suffix> after it (PSM), else at <fim_middle> (SPM) or the end
     cursor = min(_find(tokens, vocab.fim_suf, pre + 1), _find(tokens, vocab.fim_mid, pre + 1))
     newlines = 0
@@ -266,6 +260,11 @@ def cursor_anchor(prompt: Sequence[int], vocab: Vocab, piece: Callable[[int], by
         if newlines >= 2:
             return i + 1
     return pre + 1
+
+
+def _last(tokens: list[int], token: int | None) -> int | None:
+    """The last index of `token`; None when there is none."""
+    return len(tokens) - 1 - tokens[::-1].index(token) if token is not None and token in tokens else None
 
 
 def _find(tokens: list[int], token: int | None, start: int) -> int:
@@ -367,12 +366,11 @@ def continuation(infill: Infill, answer: str, prompt: Sequence[int], generated: 
     chose (`ended`: its end of generation or a stop string) or that the editor does not show whole (blank lines
     dropped, a line the indentation cut): the same prompt would only choose that end again."""
     nxt, tokens = accepted(infill, answer), list(prompt)
-    if nxt is None or ended or vocab.fim_pre not in tokens:
+    pre = _last(tokens, vocab.fim_pre)
+    suf = len(tokens) if pre is None or vocab.fim_suf is None else _find(tokens, vocab.fim_suf, pre)
+    if nxt is None or ended or suf == len(tokens):
         return None
-    pre = len(tokens) - 1 - tokens[::-1].index(vocab.fim_pre)
-    if vocab.fim_suf not in tokens[pre:]:
-        return None
-    held = b"".join(piece(t) for t in tokens[pre + 1:tokens.index(vocab.fim_suf, pre)])
+    held = b"".join(piece(t) for t in tokens[pre + 1:suf])
     typed = infill.typed.encode() if layout == "prefix" else b""
     shown, got, k = answer.rstrip("\n").encode(), b"", 0
     while len(got) < len(shown) and k < len(generated):

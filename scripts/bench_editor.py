@@ -71,6 +71,9 @@ class Cursor:
     typed: str  # the cursor line before the cursor
     indent: int
     real: str  # what the file really holds after the cursor
+    # A line of only its indent (the rest not written yet): both editors ask from the line's start (llama.vim's
+    # s:fim_ctx_local: no `prompt`, n_indent 0; llama.vscode: no `prompt`) and show the answer less its indentation.
+    blank: bool = False
 
 
 def cursors(path: Path, start: int, n_lines: int) -> Iterator[Cursor]:
@@ -86,7 +89,7 @@ def cursors(path: Path, start: int, n_lines: int) -> Iterator[Cursor]:
         for x in sorted({indent, indent + (len(line) - indent) // 2}):
             yield Cursor(str(path), y, x, "".join(s + "\n" for s in lines[max(0, y - N_PREFIX):y]),
                          "\n".join(["", *lines[y + 1:y + 1 + N_SUFFIX]]) + "\n", line[:x], indent,
-                         "\n".join([line[x:], *lines[y + 1:y + 8]]))
+                         "\n".join([line[x:], *lines[y + 1:y + 8]]), not line[:x].strip())
 
 
 def ring_chunks(paths: list[Path]) -> Iterator[dict[str, Any]]:
@@ -101,7 +104,8 @@ def ring_chunks(paths: list[Path]) -> Iterator[dict[str, Any]]:
 def vim_fim(c: Cursor, extra: list[dict], speculative: bool) -> dict[str, Any]:
     """llama.vim's llama#fim body: 250 ms to predict on the first request at a place, 1000 on the speculative."""
     return {"id_slot": 0, "input_prefix": c.prefix, "input_suffix": c.suffix, "input_extra": extra,
-            "prompt": c.typed, "n_predict": 128, "stop": [], "n_indent": c.indent, "top_k": 40, "top_p": 0.90,
+            "prompt": "" if c.blank else c.typed, "n_predict": 128, "stop": [],
+            "n_indent": 0 if c.blank else c.indent, "top_k": 40, "top_p": 0.90,
             "samplers": ["top_k", "top_p", "infill"], "stream": False, "cache_prompt": True,
             "t_max_prompt_ms": 500, "t_max_predict_ms": 1000 if speculative else 250,
             "response_fields": VIM_FIELDS, "model": ""}
@@ -134,21 +138,32 @@ def vscode_warmup(extra: list[dict]) -> dict[str, Any]:
 FLAVOURS = {"llama.vim": (vim_fim, vim_warmup), "llama.vscode": (vscode_fim, vscode_warmup)}
 
 
+def shown(c: Cursor, content: str) -> str:
+    """What the editor shows of an answer at `c`: on a blank line, the answer's first line less as much of its own
+    indentation as the line holds (llama.vim's s:fim_render, llama.vscode's removeLeadingSpaces)."""
+    if not c.blank:
+        return content
+    lead = len(content) - len(content.lstrip(" \t"))
+    return content[min(lead, len(c.typed)):]
+
+
 def accepted(c: Cursor, suggestion: str) -> Cursor:
-    """The cursor of the editor's speculative request after it shows `suggestion`, built as llama.vim's
-    s:fim_ctx_local builds it: trailing empty lines dropped, one line appended to the typed text; with more, the
+    """The cursor of the editor's speculative request after it shows `suggestion` (as shown), built as llama.vim's
+    s:fim_ctx_local builds it: trailing empty lines dropped, one line appended to the line as typed; with more, the
     lines but the last join the prefix (its window giving up as many lines at its start) and the last is the typed
-    text. The real text after it is unknown, so nothing to compare."""
-    shown = suggestion.split("\n")
-    while shown and not shown[-1]:
-        shown.pop()
-    if len(shown) <= 1:
-        first = shown[0] if shown else ""
-        return Cursor(c.path, c.line, c.col + len(first), c.prefix, c.suffix, c.typed + first, c.indent, "")
-    lines = Path(c.path).read_text().splitlines()
-    window = lines[max(0, c.line - N_PREFIX + len(shown) - 1):c.line]
-    prefix = "".join(s + "\n" for s in [*window, c.typed + shown[0], *shown[1:-1]])
-    return Cursor(c.path, c.line, len(shown[-1]), prefix, c.suffix, shown[-1], c.indent, "")
+    text. Its n_indent is the first request's (s:indent_last: 0 from a blank line). The real text after it is
+    unknown, so nothing to compare."""
+    lines = suggestion.split("\n")
+    while lines and not lines[-1]:
+        lines.pop()
+    indent = 0 if c.blank else c.indent
+    if len(lines) <= 1:
+        first = lines[0] if lines else ""
+        return Cursor(c.path, c.line, c.col + len(first), c.prefix, c.suffix, c.typed + first, indent, "")
+    file_lines = Path(c.path).read_text().splitlines()
+    window = file_lines[max(0, c.line - N_PREFIX + len(lines) - 1):c.line]
+    prefix = "".join(s + "\n" for s in [*window, c.typed + lines[0], *lines[1:-1]])
+    return Cursor(c.path, c.line, len(lines[-1]), prefix, c.suffix, lines[-1], indent, "")
 
 
 def agreement(completion: str, real: str) -> int:
@@ -235,11 +250,13 @@ class Peer:
             self.proc.wait(60)
 
 
-def _record(kind: str, where: str, data: dict, seconds: float, body: dict, real: str) -> Record:
+def _record(kind: str, where: str, data: dict, seconds: float, body: dict, real: str,
+            content: str | None = None) -> Record:
+    """`content`: the answer as the editor shows it (shown), compared with `real`; the answer itself by default."""
     timings = data.get("timings") or {}
     prompt_n = data.get("timings/prompt_n", timings.get("prompt_n"))
     cache_n = data.get("tokens_cached", timings.get("cache_n"))
-    content = data.get("content", "")
+    content = data.get("content", "") if content is None else content
     limit = (body.get("t_max_prompt_ms", 0) + body.get("t_max_predict_ms", 0)) / 1000 + 1.0
     prompt_ms = data.get("timings/prompt_ms", timings.get("prompt_ms"))
     predicted_ms = data.get("timings/predicted_ms", timings.get("predicted_ms"))
@@ -288,9 +305,12 @@ def _ask_pair(p: Peer, c: Cursor, ring: list[dict], fim: Any, think: float) -> N
     where = f"{Path(c.path).name}:{c.line + 1}:{c.col}"
     body = fim(c, ring, False)
     data, seconds = p.ask(body)
-    p.records.append(_record("fim", where, data, seconds, body, c.real))
-    if data.get("content", "").strip("\n"):  # llama.vim shows no suggestion of empty lines, and asks nothing more
-        spec = accepted(c, data["content"])
+    answer = shown(c, data.get("content", ""))
+    p.records.append(_record("fim", where, data, seconds, body, c.real, answer))
+    # An answer of empty lines: llama.vscode asks nothing more, nor does llama.vim (its cache holds the request it
+    # would send) but on a blank line, which it then sends as typed (the indent as `prompt`).
+    if answer.strip("\n") or (c.blank and fim is vim_fim):
+        spec = accepted(c, answer)
         body = fim(spec, ring, True)
         data, seconds = p.ask(body)
         p.records.append(_record("speculative", where, data, seconds, body, ""))

@@ -151,8 +151,9 @@ def accepted(c: Cursor, suggestion: str) -> Cursor:
     """The cursor of the editor's speculative request after it shows `suggestion` (as shown), built as llama.vim's
     s:fim_ctx_local builds it: trailing empty lines dropped, one line appended to the line as typed; with more, the
     lines but the last join the prefix (its window giving up as many lines at its start) and the last is the typed
-    text. Its n_indent is the first request's (s:indent_last: 0 from a blank line). The real text after it is
-    unknown, so nothing to compare."""
+    text. Its n_indent is the first request's (s:indent_last: 0 from a blank line). llama.vscode's
+    cacheFutureSuggestion appends the answer as written, which differs only on a blank line the answer indents less
+    than the line. The real text after it is unknown, so nothing to compare."""
     lines = suggestion.split("\n")
     while lines and not lines[-1]:
         lines.pop()
@@ -307,14 +308,21 @@ def _ask_pair(p: Peer, c: Cursor, ring: list[dict], fim: Any, think: float) -> N
     data, seconds = p.ask(body)
     answer = shown(c, data.get("content", ""))
     p.records.append(_record("fim", where, data, seconds, body, c.real, answer))
-    # An answer of empty lines: llama.vscode asks nothing more, nor does llama.vim (its cache holds the request it
-    # would send) but on a blank line, which it then sends as typed (the indent as `prompt`).
-    if answer.strip("\n") or (c.blank and fim is vim_fim):
+    if _asks_again(fim, c, answer):
         spec = accepted(c, answer)
         body = fim(spec, ring, True)
         data, seconds = p.ask(body)
         p.records.append(_record("speculative", where, data, seconds, body, ""))
     time.sleep(think)
+
+
+def _asks_again(fim: Any, c: Cursor, answer: str) -> bool:
+    """Whether the editor sends its speculative request after showing `answer` at `c`: llama.vscode for an answer
+    not all blank (cacheFutureSuggestion); llama.vim where its cache lacks that request, so after an answer of more
+    than empty lines, or any answer on a blank line (then sent as typed: the indent as `prompt`)."""
+    if fim is vscode_fim:
+        return bool(answer.strip())
+    return bool(answer.strip("\n")) or c.blank
 
 
 def summary(peers: list[Peer], flavour: str) -> list[str]:

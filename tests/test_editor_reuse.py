@@ -128,6 +128,24 @@ def test_a_ring_warm_up_keeps_the_last_completions_lines_cached(server):
     assert out["infill"]["extra_chunks"] == [1, 1] and out["timings"]["prompt_n"] <= 4, out["timings"]
 
 
+def test_a_ring_warm_up_keeps_the_lines_a_stopped_widening_left(server):
+    """A widening that a ring warm-up preempts leaves its prefix lines and no <fim_middle> (the rest of its prompt
+    was still to be evaluated); the warm-up must keep those lines for the next completion, not evict them."""
+    lines = "".join(SOURCE[:30])
+    completion(server, HEAD + lines, n_predict=0)  # the cache as such a widening leaves it
+    ring = [{"filename": "ring.py", "text": "".join(SOURCE[60:64])}]
+    warm = {"input_prefix": "", "input_suffix": "", "input_extra": ring, "prompt": "", "n_predict": 0,
+            "samplers": []}
+    httpx.post(server.url + "/infill", json=warm, timeout=300).raise_for_status()
+    fim = {"input_prefix": lines, "input_suffix": "\n" + "".join(SOURCE[30:32]), "prompt": "    ", "n_predict": 1,
+           "temperature": 0, "input_extra": ring, "t_max_prompt_ms": -1}
+    out = httpx.post(server.url + "/infill", json=fim, timeout=300).json()
+    assert out["infill"]["extra_chunks"] == [1, 1], out["infill"]
+    kept_lines, kept_suffix = out["infill"]["prefix_tokens"][0], out["infill"]["suffix_tokens"][0]
+    # the kept lines come from the cache (shifted after the chunk); new: the suffix, the typed text, a line or two
+    assert kept_lines > 100 and out["timings"]["prompt_n"] <= kept_suffix + 32, (out["infill"], out["timings"])
+
+
 def test_llama_vim_speculative_request_costs_a_handful_of_prompt_tokens(server):
     """As soon as it shows a suggestion, llama.vim asks again as if it were accepted; the answer's own prompt and
     tokens serve that request, the suggestion starting the middle, so it finds them cached. A request that differs

@@ -26,6 +26,17 @@ def test_repo_level_layout_as_llama_cpp():
     assert toks == expected
 
 
+def test_a_warm_up_keeps_the_fim_part_its_slot_holds_after_the_new_chunks():
+    fim = FimPrompt(QWEN_LIKE, chars)
+    head = fim.head((("u.py", "T"),))
+    cached = [*fim.head((("o.py", "O"),)), PRE, *chars("ab\n"), *chars("P"), SUF, *chars("yz"), MID, *chars("ans")]
+    assert fim.warm_up((("u.py", "T"),), cached) == [*head, PRE, *chars("ab\nP"), SUF, *chars("yz"), MID]
+    # a widening stopped by the warm-up leaves its lines and no <fim_middle>: the lines are still worth keeping
+    stopped = [*fim.head((("o.py", "O"),)), PRE, *chars("wider\nab\n")]
+    assert fim.warm_up((("u.py", "T"),), stopped) == [*head, PRE, *chars("wider\nab\n")]
+    assert fim.warm_up((("u.py", "T"),), [*fim.head((("o.py", "O"),))]) is None
+
+
 def test_the_middle_layout_puts_the_typed_text_after_the_middle_token():
     toks, _, _ = FimPrompt(PLAIN, chars, "middle").tokens(Infill("ab\n", "yz\n", "P"))
     assert toks == [PRE, *chars("ab\n"), SUF, *chars("yz\n"), MID, *chars("P")]

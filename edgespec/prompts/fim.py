@@ -125,12 +125,13 @@ class FimPrompt:
 
     def warm_up(self, extra: Sequence[tuple[str, str]], cached: Sequence[int]) -> list[int] | None:
         """An editor's warm-up (extra chunks, no prefix or suffix): the chunks, then the FIM part a slot's `cached`
-        prompt holds (<fim_prefix> to <fim_middle>), so the next completion finds both cached instead of its lines
-        evicted by the warm-up; None when the slot holds no FIM part."""
+        prompt holds (<fim_prefix> to <fim_middle>, or to its end where a stopped evaluation left no <fim_middle>:
+        a widening the warm-up preempted still holds the lines), so the next completion finds both cached instead of
+        its lines evicted by the warm-up; None when the slot holds no FIM part."""
         v, cached = self.vocab, list(cached)
-        if (pre := _last(cached, v.fim_pre)) is None or (mid := _find(cached, v.fim_mid, pre)) == len(cached):
+        if (pre := _last(cached, v.fim_pre)) is None:
             return None
-        body = cached[pre:mid + 1]
+        body = cached[pre:_find(cached, v.fim_mid, pre) + 1]
         return [*self.head(extra), *([v.bos] if v.add_bos and v.bos is not None else []), *body]
 
     def tokens(self, infill: Infill, take: Take = Take()) -> tuple[list[int], list[int], list[int]]:

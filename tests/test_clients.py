@@ -106,7 +106,7 @@ def test_n_cmpl_completions_past_the_due_time_are_empty_not_late():
 
     from edgespec.config import ANSWER_SLACK, GenerationConfig
     from edgespec.engine import Chunk, Stats
-    from edgespec.server.routes.llama import _room_for_another, _skipped, _within_budgets
+    from edgespec.server.routes.llama import _later, _room_for_another, _skipped
     from edgespec.server.schemas import Request
 
     last = Chunk("x", [1, 2, 3], finish_reason="length", slot=0,
@@ -114,14 +114,28 @@ def test_n_cmpl_completions_past_the_due_time_are_empty_not_late():
     now = time.perf_counter()
     assert _room_for_another(last, None) and _room_for_another(last, now + 5.0)
     assert not _room_for_another(last, now + 0.05)  # a token took 0.1 s
+    assert _room_for_another(last, now + 0.3, need=0.2) and not _room_for_another(last, now + 0.3, need=0.4)
     one = Chunk("x", [1], finish_reason="length", slot=0, stats=Stats(completion_tokens=1, prefill_seconds=1.0))
     assert not _room_for_another(one, now + 0.5)  # one token: its whole time is the price
     skipped = _skipped(last, 50)
     assert (skipped.text, skipped.tokens, skipped.finish_reason, skipped.slot) == ("", [], "length", 0)
     assert skipped.stats.cached_prompt_tokens == 50 and skipped.stats.completion_tokens == 0
     req = Request(GenerationConfig(deadline=now + 2.0), (), False)
-    assert _within_budgets(req).config.deadline == pytest.approx(now + 2.0 - ANSWER_SLACK)  # the slack: the first's
-    assert _within_budgets(dataclasses.replace(req, config=GenerationConfig())).config.deadline is None
+    later, need = _later(req, last)
+    assert later.config.deadline == pytest.approx(now + 2.0 - ANSWER_SLACK) and need == 0.2  # the slack: the first's
+    # with t_max_predict_ms, the first's window: its prediction (0.2 s) began 0.2 s ago, so 0.3 s of 0.5 are left
+    windowed = dataclasses.replace(req, config=GenerationConfig(deadline=now + 2.0, time_limit=0.5))
+    assert _later(windowed, last)[0].config.deadline == pytest.approx(now + 0.3, abs=0.05)
+    assert _later(dataclasses.replace(req, config=GenerationConfig()), last)[0].config.deadline is None
+
+
+def test_n_cmpl_alternatives_share_the_first_completions_prediction_window(server):
+    # llama-server generates n_cmpl's completions in parallel slots, each within t_max_predict_ms of one start, so
+    # they cost the client no wait of their own; one after another, the alternatives get what the first left of
+    # that window, and none when it left no room for a token (no due time here: the window alone bounds them).
+    fim = {k: v for k, v in requests_of("llama_vscode")["fim"]["body"].items() if k != "t_max_prompt_ms"}
+    out = post(server, "/infill", {**fim, "t_max_predict_ms": 1}).json()
+    assert len(out) == 3 and [(o["content"], o["stop_type"]) for o in out[1:]] == [("", "limit")] * 2, out
 
 
 def test_continue_autocomplete_and_chat_with_max_tokens_4096(server):

@@ -127,12 +127,14 @@ class LlamaRoutes:
             self.svc.infills.add(cancel)
         try:
             if not req.stream:
-                results, answers, later = [], [], _within_budgets(req)
+                results, answers, later, need = [], [], req, 0.0
                 for i in range(req.n):  # n_cmpl: one after another in the slot that holds the prompt
-                    if results and not _room_for_another(chunks[-1], later.config.deadline):
+                    if i == 1:
+                        later, need = _later(req, chunks[-1])
+                    if results and not _room_for_another(chunks[-1], later.config.deadline, need):
                         chunks = [_skipped(chunks[-1], len(prompt))]
                     else:
-                        chunks = await self.svc.run(request, prompt, later if results else req, cancel)
+                        chunks = await self.svc.run(request, prompt, later, cancel)
                     answers.append(chunks)
                     final = _llama_final("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
                                          chunks[-1], model, req) | (report or {}) | {"index": i}
@@ -220,23 +222,28 @@ def _llama_final(text: str, tokens: list[int], last: Chunk, model: str, req: sch
     }
 
 
-def _within_budgets(req: schemas.Request) -> schemas.Request:
-    """n_cmpl's later completions end within the client's budgets: the answer's slack past them (ANSWER_SLACK) is
-    the first completion's alone, since llama.vscode shows the first and the others would only delay it."""
-    due = req.config.deadline
-    return req if due is None else dataclasses.replace(req, config=dataclasses.replace(req.config,
-                                                                                       deadline=due - ANSWER_SLACK))
+def _later(req: schemas.Request, first: Chunk) -> tuple[schemas.Request, float]:
+    """n_cmpl's completions after the first, and the time one needs (as long as the first's prediction). llama-server
+    generates them in parallel slots from the first's prompt, each within t_max_predict_ms of the same start, so the
+    client waits on no more than that window; one after another, they share what the first left of it. Never the
+    answer's slack past the client's budgets (ANSWER_SLACK): llama.vscode shows the first, the others only delay it."""
+    c, s = req.config, first.stats
+    need = s.decode_seconds if s is not None else 0.0
+    ends = [] if c.deadline is None else [c.deadline - ANSWER_SLACK]
+    if c.time_limit is not None:  # the first's window: from the end of its prefill (its first token)
+        ends.append(time.perf_counter() - need + c.time_limit)
+    return dataclasses.replace(req, config=dataclasses.replace(c, deadline=min(ends, default=None))), need
 
 
-def _room_for_another(last: Chunk, due: float | None) -> bool:
-    """Whether one more of n_cmpl's completions can decode a token before `due`: a token costs what one did in the
-    last completion (its whole time when it had one token)."""
+def _room_for_another(last: Chunk, due: float | None, need: float = 0.0) -> bool:
+    """Whether one more of n_cmpl's completions can take `need` seconds and decode a token before `due`: a token
+    costs what one did in the last completion (its whole time when it had one token)."""
     s = last.stats
     if due is None or s is None:
         return True
     per_token = s.decode_seconds / (s.completion_tokens - 1) if s.completion_tokens > 1 else \
         s.prefill_seconds + s.decode_seconds
-    return time.perf_counter() + per_token <= due
+    return time.perf_counter() + max(per_token, need) <= due
 
 
 def _skipped(last: Chunk, prompt_tokens: int) -> Chunk:

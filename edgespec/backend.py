@@ -1,10 +1,8 @@
 """The only module that imports llama_cpp: one GGUF model with its KV cache.
 
-`Model` holds one llama.cpp context with `LoadConfig.n_seq` KV sequences, each a
-`KVSequence` whose contents are mirrored in its `tokens` (position i holds tokens[i]);
-the model's own decode/trim act on sequence 0. Each sequence has its own stream of
-n_ctx cells (not unified), so attention never scans another sequence's cells.
-Everything above this module speaks token ids and numpy arrays.
+`Model` holds one llama.cpp context with `LoadConfig.n_seq` KV sequences, each a `KVSequence` whose contents are
+mirrored in its `tokens` (position i holds tokens[i]); the model's own decode/trim act on sequence 0. They share one
+buffer of n_ctx cells a sequence (unified), as the parks do. Everything above speaks token ids and numpy arrays.
 """
 
 from __future__ import annotations
@@ -87,15 +85,6 @@ def open_facts(path: str | Path) -> Model:
 def read_facts(path: str | Path) -> ModelFacts:
     with open_facts(path) as m:
         return m.facts
-
-
-def shared_library(name: str) -> ctypes.CDLL:
-    """One of the shared libraries the installed llama-cpp-python ships ("ggml", "ggml-base", ...), for what its
-    bindings leave out (devices.py)."""
-    from llama_cpp._ctypes_extensions import load_shared_library
-
-    llama_cpp.llama_backend_init()  # registers the backends; idempotent
-    return load_shared_library(name, Path(llama_cpp.__file__).parent / "lib")
 
 
 @dataclass(frozen=True)
@@ -631,14 +620,25 @@ def repack_without_amx(mparams: llama_cpp.llama_model_params, path: Path) -> tup
 
 
 @functools.cache
+def ggml_libraries() -> tuple[ctypes.CDLL, ctypes.CDLL]:
+    """libggml (the device registry) and libggml-base as the installed llama-cpp-python ships them, for the calls its
+    bindings leave out (here and in devices.py), with the signatures of those both modules make declared."""
+    from llama_cpp._ctypes_extensions import load_shared_library
+
+    llama_cpp.llama_backend_init()  # registers the backends; idempotent
+    reg, dev = (load_shared_library(n, Path(llama_cpp.__file__).parent / "lib") for n in ("ggml", "ggml-base"))
+    void, one = ctypes.c_void_p, [ctypes.c_void_p]
+    for f, restype, args in ((reg.ggml_backend_dev_by_type, void, [ctypes.c_int]), (dev.ggml_backend_buft_name,
+                             ctypes.c_char_p, one), (dev.ggml_backend_dev_backend_reg, void, one),
+                             (dev.ggml_backend_reg_get_proc_address, void, [void, ctypes.c_char_p])):
+        f.restype, f.argtypes = restype, args
+    return reg, dev
+
+
+@functools.cache
 def _extra_buffer_type(name: bytes) -> int | None:
     """The CPU backend's extra buffer type of this name ("CPU_REPACK", "AMX"), if the build has it."""
-    reg, dev = shared_library("ggml"), shared_library("ggml-base")
-    reg.ggml_backend_dev_by_type.restype, reg.ggml_backend_dev_by_type.argtypes = ctypes.c_void_p, [ctypes.c_int]
-    for f, args in ((dev.ggml_backend_dev_backend_reg, [ctypes.c_void_p]),
-                    (dev.ggml_backend_reg_get_proc_address, [ctypes.c_void_p, ctypes.c_char_p])):
-        f.restype, f.argtypes = ctypes.c_void_p, args
-    dev.ggml_backend_buft_name.restype, dev.ggml_backend_buft_name.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    reg, dev = ggml_libraries()
     cpu = reg.ggml_backend_dev_by_type(0)
     get = dev.ggml_backend_reg_get_proc_address(dev.ggml_backend_dev_backend_reg(cpu),
                                                 b"ggml_backend_dev_get_extra_bufts")

@@ -1,6 +1,6 @@
 """ggml's devices, which llama-cpp-python does not bind: the device registry (what the plan places layers on).
 
-It reaches the same shared libraries the installed llama-cpp-python loaded, through ctypes (backend.shared_library),
+It reaches the same shared libraries the installed llama-cpp-python loaded, through ctypes (backend.ggml_libraries),
 so the registry it reads is the one llama.cpp loads models with.
 """
 
@@ -29,7 +29,7 @@ _DEVICE_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
 
 def _registry() -> tuple[ctypes.CDLL, ctypes.CDLL]:
     """libggml (the registry) and libggml-base (the device calls), with their signatures declared."""
-    reg, dev = backend.shared_library("ggml"), backend.shared_library("ggml-base")
+    reg, dev = backend.ggml_libraries()
     reg.ggml_backend_dev_count.restype = ctypes.c_size_t
     reg.ggml_backend_dev_get.restype, reg.ggml_backend_dev_get.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
     for name in ("ggml_backend_dev_name", "ggml_backend_dev_description"):
@@ -76,8 +76,6 @@ def _rpc(name: str, proto: type) -> ctypes._CFuncPtr:
     require_rpc()
     reg, dev = _registry()
     reg.ggml_backend_reg_by_name.restype, reg.ggml_backend_reg_by_name.argtypes = ctypes.c_void_p, [ctypes.c_char_p]
-    dev.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
-    dev.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
     address = dev.ggml_backend_reg_get_proc_address(reg.ggml_backend_reg_by_name(b"RPC"), name.encode())
     return proto(address)
 
@@ -87,7 +85,6 @@ def device_handle(name: str | None) -> int:
     rpc-server picks)."""
     reg, dev = _registry()
     reg.ggml_backend_dev_by_name.restype, reg.ggml_backend_dev_by_name.argtypes = ctypes.c_void_p, [ctypes.c_char_p]
-    reg.ggml_backend_dev_by_type.restype, reg.ggml_backend_dev_by_type.argtypes = ctypes.c_void_p, [ctypes.c_int]
     if name is not None:
         handle = reg.ggml_backend_dev_by_name(name.encode())
         if not handle:

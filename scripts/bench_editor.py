@@ -154,13 +154,10 @@ def accepted(c: Cursor, suggestion: str) -> Cursor:
     text. Its n_indent is the first request's (s:indent_last: 0 from a blank line). llama.vscode's
     cacheFutureSuggestion appends the answer as written, which differs only on a blank line the answer indents less
     than the line. The real text after it is unknown, so nothing to compare."""
-    lines = suggestion.split("\n")
-    while lines and not lines[-1]:
-        lines.pop()
+    lines = suggestion.rstrip("\n").split("\n")
     indent = 0 if c.blank else c.indent
-    if len(lines) <= 1:
-        first = lines[0] if lines else ""
-        return Cursor(c.path, c.line, c.col + len(first), c.prefix, c.suffix, c.typed + first, indent, "")
+    if len(lines) == 1:
+        return Cursor(c.path, c.line, c.col + len(lines[0]), c.prefix, c.suffix, c.typed + lines[0], indent, "")
     file_lines = Path(c.path).read_text().splitlines()
     window = file_lines[max(0, c.line - N_PREFIX + len(lines) - 1):c.line]
     prefix = "".join(s + "\n" for s in [*window, c.typed + lines[0], *lines[1:-1]])

@@ -368,7 +368,7 @@ def continuation(infill: Infill, answer: str, prompt: Sequence[int], generated: 
     dropped, a line the indentation cut): the same prompt would only choose that end again."""
     nxt, tokens = accepted(infill, answer), list(prompt)
     pre = _last(tokens, vocab.fim_pre)
-    suf = len(tokens) if pre is None or vocab.fim_suf is None else _find(tokens, vocab.fim_suf, pre)
+    suf = len(tokens) if pre is None else _find(tokens, vocab.fim_suf, pre)
     if nxt is None or ended or suf == len(tokens):
         return None
     held = b"".join(piece(t) for t in tokens[pre + 1:suf])

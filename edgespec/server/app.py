@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import uvicorn
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Settings", "create_app", "is_loopback", "serve"]
 
-# Connections still open this long after the grace period are dropped by uvicorn.
+# Requests still running this long after the grace period are dropped, and then connections still open.
 SHUTDOWN_BACKSTOP_SECONDS = 5
 
 
@@ -47,21 +48,33 @@ def create_app(settings: Settings, load_engine: Callable[[], Engine]) -> Starlet
                                      allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
     app = Starlette(routes=routes, middleware=middleware, lifespan=svc.lifespan,
                     exception_handlers={HTTPException: http_error, Exception: unexpected})
-    app.state.shutdown = svc.shutdown
+    app.state.shutdown, app.state.idle = svc.shutdown, svc.idle
     return app
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's graceful shutdown, with the app told first (it refuses new requests and bounds the old ones)
-    and exit status 0: uvicorn itself re-raises a caught SIGTERM after shutting down, so the process ended 143."""
+    """uvicorn's graceful shutdown, drained first. The first signal tells the app (it refuses new requests and bounds
+    the old ones) and keeps the socket open, so that a request arriving meanwhile gets a 503 rather than a reset; the
+    socket closes once nothing is in flight. A second signal closes it at once, a third Ctrl-C forces the exit.
+    Exit status 0: uvicorn itself re-raises a caught SIGTERM after shutting down, so the process ended 143."""
 
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None], idle: Callable[[], bool],
+                 drain_limit: float) -> None:
         super().__init__(config)
-        self.on_signal = on_signal
+        self.on_signal, self.idle, self.drain_limit = on_signal, idle, drain_limit
+        self.draining_since: float | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        self.on_signal()
-        super().handle_exit(sig, frame)
+        if self.draining_since is None:
+            self.draining_since = time.monotonic()
+            self.on_signal()
+        else:
+            super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.draining_since is not None and not self.should_exit:
+            self.should_exit = self.idle() or time.monotonic() - self.draining_since > self.drain_limit
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -79,5 +92,5 @@ class _Server(uvicorn.Server):
 def serve(app: Starlette, settings: Settings, log_level: str, grace: float = SHUTDOWN_GRACE_SECONDS) -> None:
     """Run `app` until SIGTERM or Ctrl-C: requests in flight get `grace` seconds, then are cancelled."""
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
-                            timeout_graceful_shutdown=int(grace) + SHUTDOWN_BACKSTOP_SECONDS)
-    _Server(config, lambda: app.state.shutdown(grace)).run()
+                            timeout_graceful_shutdown=SHUTDOWN_BACKSTOP_SECONDS)
+    _Server(config, lambda: app.state.shutdown(grace), app.state.idle, grace + SHUTDOWN_BACKSTOP_SECONDS).run()

@@ -82,6 +82,10 @@ class Service:
         timer.daemon = True
         timer.start()
 
+    def idle(self) -> bool:
+        """Nothing in flight: a draining server may close its socket."""
+        return not self.active
+
     def engine(self) -> Engine:
         if self.draining:
             raise Unavailable("the server is shutting down; send the request to a new instance")

@@ -68,18 +68,30 @@ def test_a_half_sent_request_does_not_hold_up_the_others(smol):
             assert r.status_code == 200
 
 
-def test_sigterm_ends_streams_properly_refuses_new_requests_and_exits_0(smollm_path):
-    s = Server(smollm_path, "--ctx", "2048", "--proposer", "none", "--shutdown-grace", str(GRACE))
-    events: list[str] = []
-
-    def long_stream() -> None:
+def long_stream(s: Server, events: list[str]) -> threading.Thread:
+    """A stream under way (1900 tokens take far longer than any grace period here), its lines going to `events`."""
+    def read() -> None:
         body = {"prompt": "Count: 1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 1900, "stream": True, "temperature": 0}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as r:
             events.extend(line for line in r.iter_lines() if line)
 
-    reader = threading.Thread(target=long_stream)
+    reader = threading.Thread(target=read)
     reader.start()
-    time.sleep(1.5)  # the stream is under way: 1900 tokens take far longer than the grace period
+    time.sleep(1.5)
+    return reader
+
+
+def assert_ended_properly(events: list[str]) -> None:
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2].removeprefix("data: "))
+    assert last["choices"][0]["finish_reason"] is not None and "error" not in last
+    assert last["usage"]["completion_tokens"] < 1900  # cut, not run to the end
+
+
+def test_sigterm_ends_streams_properly_refuses_new_requests_and_exits_0(smollm_path):
+    s = Server(smollm_path, "--ctx", "2048", "--proposer", "none", "--shutdown-grace", str(GRACE))
+    events: list[str] = []
+    reader = long_stream(s, events)
     t0 = time.monotonic()
     s.proc.send_signal(signal.SIGTERM)
     while httpx.get(s.url + "/health", timeout=10).status_code == 200:  # until the signal is handled
@@ -93,10 +105,21 @@ def test_sigterm_ends_streams_properly_refuses_new_requests_and_exits_0(smollm_p
     reader.join(30)
     assert rc == 0, s.stderr()
     assert time.monotonic() - t0 < GRACE + 15
-    assert events[-1] == "data: [DONE]"
-    last = json.loads(events[-2].removeprefix("data: "))
-    assert last["choices"][0]["finish_reason"] is not None and "error" not in last
-    assert last["usage"]["completion_tokens"] < 1900  # cut by the grace period, not run to the end
+    assert_ended_properly(events)
+
+
+def test_a_second_ctrl_c_ends_the_grace_period_now_and_streams_still_end_properly(smollm_path):
+    s = Server(smollm_path, "--ctx", "2048", "--proposer", "none", "--shutdown-grace", "600")
+    events: list[str] = []
+    reader = long_stream(s, events)
+    s.proc.send_signal(signal.SIGINT)
+    while httpx.get(s.url + "/health", timeout=10).status_code == 200:
+        time.sleep(0.01)
+    s.proc.send_signal(signal.SIGINT)
+    rc = s.proc.wait(60)  # well inside the 600 s grace
+    reader.join(30)
+    assert rc == 0, s.stderr()
+    assert_ended_properly(events)
 
 
 @pytest.mark.parametrize("fault", ["replaced", "deleted", "overwritten in place"])

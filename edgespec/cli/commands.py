@@ -149,7 +149,8 @@ def chat_cmd(system: str | None, interactive: bool | None, show_draft: bool, cac
               help="/infill: the typed part of the cursor line ends the prefix (llama.cpp's layout) or starts the "
                    "middle (a keystroke then appends to the prompt).")
 @click.option("--shutdown-grace", type=click.FloatRange(min=0), default=SHUTDOWN_GRACE_SECONDS, show_default=True,
-              help="Seconds requests in flight get after SIGTERM or Ctrl-C before they are cancelled.")
+              help="Seconds requests in flight get after SIGTERM or Ctrl-C before they are cancelled; "
+                   "a second signal cancels them at once.")
 @domain_errors
 def serve(host: str, port: int, api_keys: tuple[str, ...], cors_origins: tuple[str, ...], max_body_bytes: int,
           infill_cancel_older: bool, n_seq: int, keepalive: float, cache_reuse: int | None, fim_layout: str,

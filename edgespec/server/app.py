@@ -55,8 +55,9 @@ def create_app(settings: Settings, load_engine: Callable[[], Engine]) -> Starlet
 class _Server(uvicorn.Server):
     """uvicorn's graceful shutdown, drained first. The first signal tells the app (it refuses new requests and bounds
     the old ones) and keeps the socket open, so that a request arriving meanwhile gets a 503 rather than a reset; the
-    socket closes once nothing is in flight. A second signal closes it at once, a third Ctrl-C forces the exit.
-    Exit status 0: uvicorn itself re-raises a caught SIGTERM after shutting down, so the process ended 143."""
+    socket closes once nothing is in flight. A second signal ends the grace period and closes it at once (streams
+    still finish properly), a third Ctrl-C forces the exit. Exit status 0: uvicorn itself re-raises a caught SIGTERM
+    after shutting down, so the process ended 143."""
 
     def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None], idle: Callable[[], bool],
                  drain_limit: float) -> None:
@@ -65,9 +66,9 @@ class _Server(uvicorn.Server):
         self.draining_since: float | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        self.on_signal()
         if self.draining_since is None:
             self.draining_since = time.monotonic()
-            self.on_signal()
         else:
             super().handle_exit(sig, frame)
 

@@ -72,8 +72,11 @@ class Service:
             self.loaded.close()
 
     def shutdown(self, grace: float) -> None:
-        """Refuse new requests; cancel those still running after `grace` seconds (streams then finish)."""
+        """Refuse new requests; cancel those still running after `grace` seconds (streams then finish). Called again
+        (a second Ctrl-C), it cancels them now."""
         if self.draining:
+            for cancel in list(self.active):
+                cancel.set()
             return
         self.draining = True
         for cancel in list(self.background):  # nobody waits on background work: it ends now

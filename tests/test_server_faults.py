@@ -69,7 +69,7 @@ def test_a_half_sent_request_does_not_hold_up_the_others(smol):
 
 
 def long_stream(s: Server, events: list[str]) -> threading.Thread:
-    """A stream under way (1900 tokens take far longer than any grace period here), its lines going to `events`."""
+    """A stream under way, its lines going to `events`: 1900 tokens outlast the waits of the tests here."""
     def read() -> None:
         body = {"prompt": "Count: 1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 1900, "stream": True, "temperature": 0}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=120) as r:
@@ -112,12 +112,15 @@ def test_a_second_ctrl_c_ends_the_grace_period_now_and_streams_still_end_properl
     s = Server(smollm_path, "--ctx", "2048", "--proposer", "none", "--shutdown-grace", "600")
     events: list[str] = []
     reader = long_stream(s, events)
-    s.proc.send_signal(signal.SIGINT)
-    while httpx.get(s.url + "/health", timeout=10).status_code == 200:
-        time.sleep(0.01)
-    s.proc.send_signal(signal.SIGINT)
-    rc = s.proc.wait(60)  # well inside the 600 s grace
-    reader.join(30)
+    try:
+        s.proc.send_signal(signal.SIGINT)
+        while httpx.get(s.url + "/health", timeout=10).status_code == 200:
+            time.sleep(0.01)
+        s.proc.send_signal(signal.SIGINT)
+        rc = s.proc.wait(60)  # well inside the 600 s grace
+        reader.join(30)
+    finally:
+        s.proc.kill()  # a no-op once it has exited
     assert rc == 0, s.stderr()
     assert_ended_properly(events)
 

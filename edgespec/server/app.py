@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Settings", "create_app", "is_loopback", "serve"]
 
-# Requests still running this long after the grace period are dropped, and then connections still open.
+# Past the grace period, requests still running get this long before the socket closes, and open connections as
+# long again before uvicorn drops them.
 SHUTDOWN_BACKSTOP_SECONDS = 5
 
 

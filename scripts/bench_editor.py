@@ -13,7 +13,8 @@ background work runs in the other's time, and after each answer the server that 
 user's think time (--think). edgespec starts each run with an empty memory (a new project's first session), so
 what it remembers is this run's own answers. Reported per server: median and p90 latency of the requests the user
 waits on, prompt tokens evaluated per request (timings.prompt_n), completions that agree with the file's real next
-text for at least 4 characters, and answers slower than t_max_prompt_ms + t_max_predict_ms + 1 s.
+text for at least 4 characters (of llama.vscode's 3, the first it shows), and answers slower than t_max_prompt_ms +
+t_max_predict_ms + 1 s.
 
     python scripts/llama_tools.py --server          # once: about 20 minutes on 2 cores
     python scripts/bench_editor.py --out bench-results/editor.json
@@ -225,14 +226,14 @@ class Peer:
         if r.status_code != 200:
             raise RuntimeError(f"{self.name} answered {r.status_code}: {r.text[:300]}")
         data = r.json()
-        return (data[0] if isinstance(data, list) else data), seconds
+        return (data if isinstance(data, list) else [data]), seconds
 
     def post_and_forget(self, body: dict[str, Any]) -> None:
         """A warm-up: the editor does not wait for it, the server's next answer may."""
         def send() -> None:
             t0 = time.perf_counter()
             try:
-                data, _ = self.ask(body)
+                data = self.ask(body)[0][0]
             except httpx.HTTPError as e:
                 data = {"content": f"error: {e}"}
             self.records.append(_record("warmup", "ring", data, time.perf_counter() - t0, body, ""))
@@ -302,15 +303,49 @@ def _ask_pair(p: Peer, c: Cursor, ring: list[dict], fim: Any, think: float) -> N
     think time."""
     where = f"{Path(c.path).name}:{c.line + 1}:{c.col}"
     body = fim(c, ring, False)
-    data, seconds = p.ask(body)
+    results, seconds = p.ask(body)
+    data = kept_completion(c, results)
     answer = shown(c, data.get("content", ""))
     p.records.append(_record("fim", where, data, seconds, body, c.real, answer))
     if _asks_again(fim, c, answer):
         spec = accepted(c, answer)
         body = fim(spec, ring, True)
-        data, seconds = p.ask(body)
-        p.records.append(_record("speculative", where, data, seconds, body, ""))
+        results, seconds = p.ask(body)
+        p.records.append(_record("speculative", where, kept_completion(spec, results), seconds, body, ""))
     time.sleep(think)
+
+
+def kept_completion(c: Cursor, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The completion the editor shows of an answer's `n_cmpl` results: llama.vscode's first that its
+    shouldDiscardSuggestion keeps (not blank, not the lines that follow the cursor again), else the first. Its
+    timings are the answer's (the results share one prompt)."""
+    after = c.suffix.split("\n")[1:]  # the document's lines after the cursor line (the suffix starts at its end)
+    for data in results:
+        lines = data.get("content", "").split("\n")
+        while lines and not lines[-1].strip():  # Utils.removeTrailingNewLines
+            lines.pop()
+        if not _discarded(lines, c.typed, after):
+            return {**results[0], "content": data.get("content", "")}
+    return results[0]
+
+
+def _discarded(lines: list[str], prefix: str, after: list[str]) -> bool:
+    """llama.vscode's shouldDiscardSuggestion, the line's rest empty (the user writes the line anew)."""
+    if not lines or (len(lines) == 1 and not lines[0].strip()):
+        return True
+    if not any(line.strip() for line in after):  # at the end of the file (or only blank lines follow)
+        return False
+    if len(lines) > 1 and not lines[0].strip() and lines[1:] == after[:len(lines) - 1]:
+        return True
+    first = next(i for i, line in enumerate(after) if line.strip())
+    if prefix + lines[0] != after[first]:
+        return False
+    if len(lines) == 1:
+        return True
+    nxt = after[first + 1:]
+    if len(lines) == 2:
+        return bool(nxt) and lines[1] == nxt[0][:len(lines[1])]
+    return lines[1:] == nxt[:len(lines) - 1]
 
 
 def _asks_again(fim: Any, c: Cursor, answer: str) -> bool:

@@ -1,5 +1,5 @@
-"""The replay benchmarks' pure parts: the ngram-map-k model, the two-source oracle and the tree bound (no models
-loaded)."""
+"""The benchmarks' pure parts: the ngram-map-k model, the two-source oracle, the tree bound, and which of an
+answer's completions the editor shows (no models loaded)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
+import bench_editor  # noqa: E402
 import replay_auto  # noqa: E402
 import replay_memory  # noqa: E402
 
@@ -74,3 +75,26 @@ def test_tree_bound_takes_the_branch_that_holds_where_the_memory_takes_the_most_
     # At token 20 the memory proposes what two of three places continue with (wrong); a branch on the third holds.
     assert tree < 0.9 * oracle
     assert tree == replay_memory.tree_bound_one(prompt, out, CURVE, [prompt[-32:] + out])
+
+
+def _cursor(typed: str, after: list[str]) -> bench_editor.Cursor:
+    return bench_editor.Cursor("f.py", 3, len(typed), "def f():\n", "\n".join(["", *after]) + "\n", typed,
+                               len(typed) - len(typed.lstrip()), "", not typed.strip())
+
+
+def test_the_editor_shows_the_first_completion_it_does_not_discard():
+    c = _cursor("    x = ", ["    y = x + 1", "    return y"])
+    results = [{"content": "\n", "timings": {"prompt_n": 7}}, {"content": "   "}, {"content": "2\n"}]
+    kept = bench_editor.kept_completion(c, results)
+    assert kept["content"] == "2\n" and kept["timings"] == {"prompt_n": 7}  # the answer's timings, shared
+
+
+def test_a_completion_that_repeats_the_next_lines_is_discarded_as_llama_vscode_does():
+    c = _cursor("    ", ["    y = x + 1", "    return y"])
+    assert bench_editor._discarded(["y = x + 1"], c.typed, ["    y = x + 1", "    return y"])  # the next line again
+    assert bench_editor._discarded(["", "    y = x + 1"], c.typed, ["    y = x + 1", "    return y"])
+    assert bench_editor._discarded(["y = x + 1", "    ret"], c.typed, ["    y = x + 1", "    return y"])
+    assert not bench_editor._discarded(["y = x + 2"], c.typed, ["    y = x + 1", "    return y"])
+    assert not bench_editor._discarded(["y = 1"], c.typed, ["", ""])  # nothing follows: never discarded
+    only = [{"content": " "}, {"content": ""}]
+    assert bench_editor.kept_completion(c, only) is only[0]  # none kept: the first, as the editor shows nothing

@@ -23,7 +23,7 @@ import llama_cpp.llama_grammar
 import numpy as np
 
 from edgespec.config import DEFAULT_N_CTX, LoadConfig
-from edgespec.decoding.loop import FirstSequence
+from edgespec.decoding.loop import FirstSequence, KeptRow
 from edgespec.decoding.rules import check_json_schema
 from edgespec.errors import (ContextOverflowError, EdgespecError, InvalidModelError, InvalidRequestError,
                              UnsupportedModelError, stderr_captured)
@@ -317,17 +317,11 @@ class Model(FirstSequence):
                 free(getattr(self, name))
                 setattr(self, name, None)
 
-    def __enter__(self) -> Model:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __del__(self) -> None:
         self.close()
 
 
-class KVSequence:
+class KVSequence(KeptRow):
     """One KV sequence of a loaded model, mirrored in `tokens`: what the speculative loop decodes into."""
 
     def __init__(self, model: Model, seq_id: int) -> None:
@@ -434,7 +428,9 @@ class KVSequence:
                     return None
                 self._unpark(pending.pop(0), prompt)
                 at = start + length
-            return self.decode(prompt[at:], n_outputs, stop, step)
+            rows = self.decode(prompt[at:], n_outputs, stop, step)
+            self._keep_row(rows)
+            return rows
         finally:
             while pending:  # stopped or failed early: the runs still parked follow what was evaluated
                 self._unpark(pending.pop(0), prompt)
@@ -452,6 +448,7 @@ class KVSequence:
             llama_cpp.llama_memory_seq_cp(mem, seq, park, source, source + length)
             llama_cpp.llama_memory_seq_rm(mem, seq, source, source + length)
         del self.tokens[prefix:]
+        self._dropped(prefix)
         if (pos := self.pos_max()) != prefix - 1:
             raise EdgespecError(f"KV cache of {self.model.path.name} ends at {pos} after keeping {prefix} tokens")
 
@@ -479,6 +476,7 @@ class KVSequence:
             raise UnsupportedModelError(f"llama.cpp refused to remove positions >= {n_keep} from "
                                         f"{self.model.path.name}")
         del self.tokens[n_keep:]
+        self._dropped(n_keep)
         if (pos := self.pos_max()) != n_keep - 1:
             raise EdgespecError(f"KV cache of {self.model.path.name} ends at {pos} after trimming to {n_keep}")
         return dropped
@@ -508,6 +506,7 @@ class KVSequence:
             llama_cpp.llama_memory_seq_rm(self.model._mem, self.seq_id, len(self.tokens), -1)
         else:  # llama.cpp kept only part of a failed batch
             del self.tokens[held:]
+        self._dropped(len(self.tokens))
 
 
 # llama_token_data as numpy lays it out, so a candidate array is built without a Python loop.

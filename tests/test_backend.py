@@ -95,6 +95,32 @@ def test_shared_prefix_and_keep_prefix_of(smollm):
     assert smollm.tokens == [10, 11] and smollm.pos_max() == 1
 
 
+def test_a_prompt_evaluated_again_gets_the_row_its_evaluation_ended_on_while_its_positions_stay(smollm):
+    # n_cmpl's other completions and a regenerate start from the row the prompt's evaluation ended on, as
+    # llama-server's parallel completions share one; a change at or before the prompt's last position drops it.
+    seq = smollm.sequences[0]
+    prompt = smollm.tokenize("Once upon a time, in a small village,")
+    seq.trim(0)
+    ended = seq.evaluate(prompt)[-1].copy()
+    seq.decode([42, 43, 44])  # a completion written after it; rolled back past the prompt by prompt_row
+    row = seq.prompt_row(prompt)
+    assert row is not None and row.shape == (1, smollm.n_vocab) and seq.tokens == prompt
+    np.testing.assert_array_equal(row[0], ended)
+    row[0, 0] = 1e9  # the caller's copy: the kept row stays as computed
+    np.testing.assert_array_equal(seq.prompt_row(prompt)[0], ended)
+    assert seq.prompt_row(prompt[:-1]) is None and seq.prompt_row([*prompt, 42]) is None
+    assert seq.prompt_row([*prompt[:-1], prompt[-1] + 1]) is None  # same length, other text
+    seq.trim(len(prompt) - 1)  # the last position dropped: its row goes with it
+    assert seq.prompt_row(prompt) is None
+    seq.decode(prompt[-1:])  # evaluated again by a decode, not an evaluation: no row is kept for it
+    assert seq.prompt_row(prompt) is None
+    seq.evaluate(prompt, [(0, 0, len(prompt) - 1)])
+    assert seq.prompt_row(prompt) is not None
+    seq.evaluate([*prompt[:3], 7, 8], [(0, 0, 3)])  # another prompt that keeps only the first positions
+    seq.evaluate(prompt, [(0, 0, 3)])
+    assert seq.prompt_row(prompt) is not None  # evaluated afresh from position 3, its new row
+
+
 def test_an_abort_ends_a_background_batch_in_flight_and_only_such_a_batch(smollm):
     """Model.abort (a request preempting background work) ends the abortable batch within a graph node: llama.cpp
     drops that batch, the batches before it stay. A decode that is not background work ignores it."""

@@ -138,6 +138,15 @@ def test_n_cmpl_alternatives_share_the_first_completions_prediction_window(serve
     assert len(out) == 3 and [(o["content"], o["stop_type"]) for o in out[1:]] == [("", "limit")] * 2, out
 
 
+def test_n_cmpl_alternatives_start_from_the_row_the_prompts_evaluation_ended_on(server):
+    # As llama-server's parallel completions share one evaluation of the prompt, the alternatives evaluate nothing:
+    # not even the prompt's last token again (no time limits here, so none is skipped for want of time).
+    fim = {k: v for k, v in requests_of("llama_vscode")["fim"]["body"].items() if not k.startswith("t_max")}
+    out = post(server, "/infill", {**fim, "n_predict": 8}).json()
+    assert len(out) == 3 and all(o["stop_type"] != "limit" or o["tokens_predicted"] == 8 for o in out), out
+    assert [(o["timings"]["prompt_n"], o["tokens_cached"]) for o in out[1:]] == [(0, out[0]["tokens_evaluated"])] * 2
+
+
 def test_continue_autocomplete_and_chat_with_max_tokens_4096(server):
     reqs = requests_of("continue")
     # Continue asks for 4096 tokens and aborts the fetch once its filters have a line (CompletionStreamer): the
@@ -214,8 +223,8 @@ def test_an_infill_is_answered_while_a_chat_streams_and_the_chat_keeps_its_cache
     t.join()
     assert r.status_code == 200 and done["infill"] < done["chat"]  # served between the chat's cycles
     follow = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "temperature": 0}).json()
-    # the chat's slot still holds its prompt: all of it is reused (short of the last token, evaluated again)
-    assert follow["speculative"]["cached_prompt_tokens"] == follow["usage"]["prompt_tokens"] - 1
+    # the chat's slot still holds its prompt, with the row its evaluation ended on: all of it is reused
+    assert follow["speculative"]["cached_prompt_tokens"] == follow["usage"]["prompt_tokens"]
 
 
 def metrics(server) -> dict[tuple[str, tuple], float]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol, Sequence
+from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol, Self, Sequence
 
 import numpy as np
 
@@ -46,7 +46,37 @@ class Target(Protocol):
 
     def trim(self, n_keep: int) -> int: ...
 
+    def prompt_row(self, prompt: Sequence[int]) -> np.ndarray | None: ...
+
     def is_eog(self, token: int) -> bool: ...
+
+
+class KeptRow:
+    """The logits row that ended a cache's last evaluation, kept while the positions it was computed over stay: a
+    prompt evaluated again (n_cmpl's other completions, a regenerate) samples its first token from it instead of
+    decoding its last token again, as llama-server's parallel completions share one evaluation."""
+
+    tokens: list[int]
+    _row: tuple[int, np.ndarray] | None = None  # (positions it follows, the row)
+
+    def prompt_row(self, prompt: Sequence[int]) -> np.ndarray | None:
+        """The kept row, as (1, n_vocab), when it follows exactly `prompt` (the cache is trimmed to it); else None."""
+        n = len(prompt)
+        if self._row is None or self._row[0] != n or self.tokens[:n] != list(prompt):
+            return None
+        self.trim(n)
+        return self._row[1][None].copy()
+
+    def trim(self, n_keep: int) -> int: ...
+
+    def _keep_row(self, rows: np.ndarray | None) -> None:
+        """After an evaluation that ended at the cache's end: its last row (none when it stopped early)."""
+        self._row = (len(self.tokens), rows[-1].copy()) if rows is not None and len(rows) else None
+
+    def _dropped(self, at: int) -> None:
+        """Positions from `at` on left the cache: a row computed over any of them no longer holds."""
+        if self._row is not None and at < self._row[0]:
+            self._row = None
 
 
 class FirstSequence:
@@ -73,11 +103,22 @@ class FirstSequence:
     def trim(self, n_keep: int) -> int:
         return self.sequences[0].trim(n_keep)
 
+    def prompt_row(self, prompt: Sequence[int]) -> np.ndarray | None:
+        return self.sequences[0].prompt_row(prompt)
+
     def shared_prefix(self, tokens: Sequence[int]) -> int:
         return self.sequences[0].shared_prefix(tokens)
 
     def keep_prefix_of(self, tokens: Sequence[int]) -> int:
         return self.sequences[0].keep_prefix_of(tokens)
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass
@@ -152,7 +193,10 @@ def prefill(target: Target, prompt: Sequence[int], stats: Stats, reuse: bool = T
     """Evaluate the prompt, keeping what the cache holds of it: the common prefix (nothing if not `reuse`) and, with
     `min_chunk` > 0 where the cache can shift, every later run of at least that many tokens that only moved and
     starts before `anchor` (decoding.reuse), in batches of `step` tokens. The last logits row; None if `stop` ended
-    the evaluation early."""
+    the evaluation early. A prompt the cache holds with its last row (KeptRow) is not evaluated at all."""
+    if reuse and (row := target.prompt_row(prompt)) is not None:
+        stats.cached_prompt_tokens, stats.shifted_prompt_tokens = len(prompt), 0
+        return row
     kept = chunks.plan(target.tokens if reuse else (), prompt, min_chunk if target.can_shift else 0, anchor)
     stats.cached_prompt_tokens = kept.reused
     stats.shifted_prompt_tokens = kept.moved

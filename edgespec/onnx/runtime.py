@@ -149,12 +149,6 @@ class OnnxModel(FirstSequence):
         self.sequences = []
         self.session = None
 
-    def __enter__(self) -> OnnxModel:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 class OnnxSequence:
     """One KV sequence: the past arrays (OrtValues on the provider's device) and the tokens they hold."""

@@ -110,6 +110,9 @@ class RemoteSequence:
     def pos_max(self) -> int:
         return self.model.call("pos_max", self.seq_id)
 
+    def prompt_row(self, prompt: Sequence[int]) -> np.ndarray | None:
+        return None  # the child's cache keeps its rows to itself: a prompt evaluated again decodes its last token
+
     def _logits(self, answer: tuple[int | None, list[int] | None], done: list[int]) -> np.ndarray | None:
         """The rows the child wrote; the mirror follows: what was asked, or what the child says it holds when it
         stopped early (the runs it had not reached follow what it evaluated)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol, Self, Sequence
+from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol, Sequence, TypeVar
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from edgespec.decoding.sampling import TokenLogprob
 
 FinishReason = Literal["stop", "length", "cancelled"]
 Clock = Callable[[], float]
+_Model = TypeVar("_Model", bound="FirstSequence")  # a model opened with `with` is itself (requires-python 3.10)
 
 
 class Step(NamedTuple):
@@ -114,7 +115,7 @@ class FirstSequence:
 
     def close(self) -> None: ...
 
-    def __enter__(self) -> Self:
+    def __enter__(self: _Model) -> _Model:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -221,6 +221,9 @@ class OnnxSequence:
     keep_prefix_of = KVSequence.keep_prefix_of
     can_shift = False  # the past arrays are sliced, never moved: a prefix is all that is reused
 
+    def prompt_row(self, prompt: Sequence[int]) -> None:
+        return None  # the past arrays keep no row: a prompt evaluated again decodes its last token
+
     def evaluate(self, prompt: Sequence[int], runs: Sequence[tuple[int, int, int]] = (), n_outputs: int = 1,
                  stop: Any = None, step: Any = None) -> np.ndarray:
         """As KVSequence.evaluate, for a prefix run only."""

@@ -73,10 +73,6 @@ def _first_error() -> str:
     return _recent_errors[0] if _recent_errors else "no reason given"
 
 
-def _token(t: int) -> int | None:
-    return None if t == llama_cpp.LLAMA_TOKEN_NULL else int(t)
-
-
 def open_facts(path: str | Path) -> Model:
     """A GGUF's facts and vocabulary without a context: weights mapped and not repacked, so this is quick."""
     return Model(path, LoadConfig(n_ctx=256, n_threads=1, n_gpu_layers=0), facts_only=True)
@@ -186,6 +182,7 @@ class Model(FirstSequence):
                 self._batch.seq_id[i][0] = 0
             self._batch_seq = 0  # the seq id written in every batch row; rewritten only when it changes
             self._abort, self._armed = ctypes.create_string_buffer(b"0", 2), False  # read during abortable batches
+            self._shifted = False  # entries moved since the last decode: it re-rotates them (KVSequence.decode)
             # token/pos/logits are written through numpy views.
             self._b_token = np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,))
             self._b_pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
@@ -263,17 +260,16 @@ class Model(FirstSequence):
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(256)
         n = llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, 256)
-        if n < 0:
-            return None
         if n >= 256:
             buf = ctypes.create_string_buffer(n + 1)
             llama_cpp.llama_model_meta_val_str(self._model, key.encode(), buf, n + 1)
-        return buf.value.decode("utf-8", "replace")
+        return None if n < 0 else buf.value.decode("utf-8", "replace")
 
     def _read_vocab(self) -> Vocab:
         v = self._vocab_p
-        special = {name: _token(getattr(llama_cpp, f"llama_vocab_{name}")(v))
-                   for name in ("bos", "eos", "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")}
+        ids = {name: int(getattr(llama_cpp, f"llama_vocab_{name}")(v))
+               for name in ("bos", "eos", "fim_pre", "fim_suf", "fim_mid", "fim_pad", "fim_rep", "fim_sep")}
+        special = {name: None if t == llama_cpp.LLAMA_TOKEN_NULL else t for name, t in ids.items()}
         return Vocab(n_tokens=int(llama_cpp.llama_vocab_n_tokens(v)), type=int(llama_cpp.llama_vocab_type(v)),
                      add_bos=bool(llama_cpp.llama_vocab_get_add_bos(v)), **special)
 
@@ -345,7 +341,7 @@ class KVSequence(KeptRow):
         of llama.cpp's buffer, valid until the next decode of any sequence (copy what must outlive it). `stop` is
         asked between batches of `step` tokens (at most n_batch): when it says so, decoding ends there and None is
         returned; the cache keeps what was evaluated. With both (background work), Model.abort also ends a batch in
-        flight, and the cache keeps the batches before it."""
+        flight, and the cache keeps the batches before it: any batch but one whose decode re-rotates moved entries."""
         n, md = len(tokens), self.model
         if n == 0 or not 0 <= n_outputs <= min(n, md.n_batch):
             raise ValueError(f"decode of {n} tokens with {n_outputs} outputs (batch {md.n_batch})")
@@ -355,14 +351,16 @@ class KVSequence(KeptRow):
         toks = np.asarray(tokens, dtype=np.int32)
         first_out = n - n_outputs
         size = min(step or md.n_batch, md.n_batch)
-        abortable = stop is not None and step is not None
-        for start in range(0, n, size):
-            md._arm(abortable)  # its flag cleared before `stop` is asked: an abort that follows is not lost
+        abortable, start = stop is not None and step is not None, 0
+        while start < n:
+            whole = md._shifted  # a decode first re-rotates moved keys layer by layer: aborted there, some turn twice
+            md._arm(abortable and not whole)  # its flag cleared before `stop` is asked: an abort that follows is kept
             if (start or abortable) and stop is not None and stop():
                 return None
-            end = min(start + size, n)
-            if not self._decode_batch(toks[start:end], np.arange(start, end) >= first_out, abortable):
+            end = min(start + (1 if whole and abortable else size), n)  # background work: one token unabortable
+            if not self._decode_batch(toks[start:end], np.arange(start, end) >= first_out, abortable and not whole):
                 return None
+            start = end
         if n_outputs == 0:
             return np.empty((0, md.n_vocab), dtype=np.float32)
         ptr = llama_cpp.llama_get_logits(md._ctx)
@@ -379,6 +377,7 @@ class KVSequence(KeptRow):
         md._batch.n_tokens = m
         try:
             rc = llama_cpp.llama_decode(md._ctx, md._batch)
+            md._shifted = md._shifted and abortable  # a batch that is not abortable re-rotated them
             if rc == 0:
                 self.tokens.extend(toks.tolist())
         except BaseException:  # e.g. KeyboardInterrupt between the C call and the mirror update
@@ -420,6 +419,7 @@ class KVSequence(KeptRow):
         for (start, source, length), park in pending:  # each run where the prompt wants it, waiting in its park
             if start != source:
                 llama_cpp.llama_memory_seq_add(self.model._mem, park, source, source + length, start - source)
+                self.model._shifted = True
         try:
             at = prefix
             while pending:
@@ -459,6 +459,7 @@ class KVSequence(KeptRow):
         mem, at = self.model._mem, self.n_past
         if start != at:
             llama_cpp.llama_memory_seq_add(mem, park, start, start + length, at - start)
+            self.model._shifted = True
         llama_cpp.llama_memory_seq_cp(mem, park, self.seq_id, at, at + length)
         llama_cpp.llama_memory_seq_rm(mem, park, -1, -1)
         self.tokens.extend(prompt[start:start + length])

@@ -9,6 +9,7 @@ import pytest
 from edgespec import gguf
 from edgespec.backend import Model, amx_build
 from edgespec.config import LoadConfig
+from edgespec.decoding import reuse
 from edgespec.errors import ContextOverflowError, InvalidModelError, ModelNotFoundError
 
 
@@ -141,6 +142,46 @@ def test_an_abort_ends_a_background_batch_in_flight_and_only_such_a_batch(smollm
     assert smollm.tokens == text[:64] and smollm.pos_max() == 63
     smollm.abort()  # a stray abort: the next decode that is not background work runs whole
     assert smollm.decode(text[64:], 1) is not None and smollm.n_past == len(text)
+
+
+def test_an_abort_never_cuts_the_re_rotation_of_moved_entries(smollm, caplog):
+    """The decode after a move (chunk reuse) first re-rotates the moved keys, one layer at a time. Aborted there,
+    llama.cpp keeps the shift pending and rotates the layers already done once more at the next decode: the cache
+    is wrong from then on. So background work decodes that batch whole (one token), and the abort of a request
+    that preempts it ends the batch after it. The prompt then evaluates to what it does without the abort."""
+    s = smollm.sequences[0]
+    text = smollm.tokenize("def area(width: float, height: float) -> float:\n    return width * height\n" * 4,
+                           add_special=False)
+    moved = [*text[:10], *smollm.tokenize(" # a line put in before the rest, which moves\n", add_special=False),
+             *text[10:]]
+
+    def evaluated(stop=None, step=None):
+        runs = [(r.start, r.source, r.length) for r in reuse.plan(s.tokens, moved, 16).runs]
+        assert len(runs) == 2 and runs[1][0] > runs[1][1]  # the common prefix, and the rest of `text` moved on
+        return s.evaluate(moved, runs, 1, stop, step)
+
+    s.trim(0)
+    s.evaluate(text)
+    expected = np.array(evaluated()[0])
+    s.trim(0)
+    s.evaluate(text)
+    armed = smollm._arm
+
+    def abort_at_once(abortable: bool) -> None:  # a request preempts every abortable batch as it starts
+        armed(abortable)
+        if abortable:
+            smollm.abort()
+
+    smollm._arm = abort_at_once
+    try:
+        with caplog.at_level(logging.DEBUG, logger="edgespec.llama_cpp"):
+            assert evaluated(stop=lambda: False, step=16) is None
+    finally:
+        smollm._arm = armed
+    said = [r.getMessage() for r in caplog.records]
+    assert "update: applying K-shift" in said and not [m for m in said if "failed to compute K-shift" in m]
+    assert s.tokens == [*moved[:11], *text[10:-1]]  # one token evaluated, then the run moved back after it
+    np.testing.assert_allclose(evaluated()[0], expected, atol=0.1)  # as if no abort had come
 
 
 def test_context_overflow_is_refused_without_damage(smollm):

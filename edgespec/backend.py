@@ -182,7 +182,7 @@ class Model(FirstSequence):
                 self._batch.seq_id[i][0] = 0
             self._batch_seq = 0  # the seq id written in every batch row; rewritten only when it changes
             self._abort, self._armed = ctypes.create_string_buffer(b"0", 2), False  # read during abortable batches
-            self._shifted = False  # entries moved since the last decode: it re-rotates them (KVSequence.decode)
+            self._shifted = False  # entries moved since the last decode (KVSequence._move): it re-rotates them
             # token/pos/logits are written through numpy views.
             self._b_token = np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,))
             self._b_pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
@@ -349,7 +349,6 @@ class KVSequence(KeptRow):
             raise ContextOverflowError(f"{self.n_past + n} tokens do not fit the context of {md.n_ctx}; use a larger "
                                        f"--ctx or a shorter prompt")
         toks = np.asarray(tokens, dtype=np.int32)
-        first_out = n - n_outputs
         size = min(step or md.n_batch, md.n_batch)
         abortable, start = stop is not None and step is not None, 0
         while start < n:
@@ -358,7 +357,7 @@ class KVSequence(KeptRow):
             if (start or abortable) and stop is not None and stop():
                 return None
             end = min(start + (1 if whole and abortable else size), n)  # background work: one token unabortable
-            if not self._decode_batch(toks[start:end], np.arange(start, end) >= first_out, abortable and not whole):
+            if not self._decode_batch(toks[start:end], np.arange(start, end) >= n - n_outputs, abortable and not whole):
                 return None
             start = end
         if n_outputs == 0:
@@ -417,9 +416,7 @@ class KVSequence(KeptRow):
         pending = list(zip(moved, self.model._parks))
         self._keep_only(prefix, pending)
         for (start, source, length), park in pending:  # each run where the prompt wants it, waiting in its park
-            if start != source:
-                llama_cpp.llama_memory_seq_add(self.model._mem, park, source, source + length, start - source)
-                self.model._shifted = True
+            self._move(park, source, length, start)
         try:
             at = prefix
             while pending:
@@ -453,16 +450,19 @@ class KVSequence(KeptRow):
             raise EdgespecError(f"KV cache of {self.model.path.name} ends at {pos} after keeping {prefix} tokens")
 
     def _unpark(self, parked: tuple[tuple[int, int, int], int], prompt: Sequence[int]) -> None:
-        """Join a parked run (already moved to its start in the prompt) to the sequence right after the last cached
-        position; when a stop left it further on, it moves back (llama.cpp re-rotates its keys once more)."""
+        """Join a parked run right after the last cached position (moved back there where a stop left it further on)."""
         (start, _, length), park = parked
         mem, at = self.model._mem, self.n_past
-        if start != at:
-            llama_cpp.llama_memory_seq_add(mem, park, start, start + length, at - start)
-            self.model._shifted = True
+        self._move(park, start, length, at)
         llama_cpp.llama_memory_seq_cp(mem, park, self.seq_id, at, at + length)
         llama_cpp.llama_memory_seq_rm(mem, park, -1, -1)
         self.tokens.extend(prompt[start:start + length])
+
+    def _move(self, park: int, source: int, length: int, to: int) -> None:
+        """Move a parked run from `source` to `to`; the next decode re-rotates its keys, so it must not be aborted."""
+        if to != source:
+            llama_cpp.llama_memory_seq_add(self.model._mem, park, source, source + length, to - source)
+            self.model._shifted = True
 
     def trim(self, n_keep: int) -> int:
         """Keep the first `n_keep` cached tokens, drop the rest; returns how many were dropped."""

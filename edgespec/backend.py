@@ -121,10 +121,10 @@ def supports_rpc() -> bool:
 
 def _context_params(cfg: LoadConfig, parks: int) -> llama_cpp.llama_context_params:
     cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx = (cfg.n_ctx or DEFAULT_N_CTX) * cfg.n_seq
+    cparams.n_ctx = (cfg.n_ctx or DEFAULT_N_CTX) * cfg.n_seq + (cfg.aside if parks else 0)
     # One buffer for every sequence (llama-server's default too): a chunk moves to a park sequence and back by
     # changing which sequences its cells belong to, with no copy.
-    cparams.n_seq_max = cfg.n_seq + parks
+    cparams.n_seq_max = cfg.n_seq + parks + (1 if parks and cfg.aside else 0)
     cparams.n_batch = cparams.n_ubatch = max(cfg.n_batch, cparams.n_seq_max)  # else llama.cpp aborts (n_outputs_max)
     cparams.kv_unified = True
     cparams.n_threads = cparams.n_threads_batch = cfg.n_threads
@@ -140,6 +140,8 @@ class Model(FirstSequence):
     in another process); `remote` places the last layers on ggml devices (RPC workers: devices.rpc_devices), the
     first ones staying on this machine's CPU.
     """
+
+    aside: KVSequence | None = None  # LoadConfig.aside's sequence (engine.slots.SlotPool); none without parks
 
     def __init__(self, path: str | Path, cfg: LoadConfig | None = None, *, facts_only: bool = False,
                  remote: RemoteLayers | None = None) -> None:
@@ -173,7 +175,7 @@ class Model(FirstSequence):
             if not self._ctx:
                 raise EdgespecError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {path} "
                                     f"({_first_error()}); try a smaller context (--ctx)")
-            self.n_ctx = int(llama_cpp.llama_n_ctx(self._ctx)) // cfg.n_seq  # per sequence: each holds at most this
+            self.n_ctx = (int(llama_cpp.llama_n_ctx(self._ctx)) - cfg.aside * bool(self._parks)) // cfg.n_seq
             self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
             self._mem = llama_cpp.llama_get_memory(self._ctx)
             self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
@@ -195,6 +197,7 @@ class Model(FirstSequence):
         # Chunk reuse moves cached entries to new positions (a K-shift); sliding-window caches and M-RoPE cannot.
         self.can_shift = bool(self._parks) and bool(llama_cpp.llama_memory_can_shift(self._mem))
         self.sequences = [KVSequence(self, i) for i in range(cfg.n_seq)]
+        self.aside = KVSequence(self, cfg.n_seq + PARKS) if self._parks and cfg.aside else None
         self._pieces: dict[int, bytes] = {}
 
     # -- decoding: sequence 0 (FirstSequence), and its last position ---------------
@@ -222,8 +225,7 @@ class Model(FirstSequence):
 
     def token_bytes(self, token: int) -> bytes:
         """The bytes of one token; control tokens render as nothing."""
-        piece = self._pieces.get(token)
-        if piece is None:
+        if (piece := self._pieces.get(token)) is None:
             piece = self._pieces[token] = self._render(token, special=False)
         return piece
 
@@ -276,8 +278,7 @@ class Model(FirstSequence):
     def _read_facts(self) -> ModelFacts:
         m = self._model
         arch = self.meta("general.architecture") or "unknown"
-        n_embd = int(llama_cpp.llama_model_n_embd(m))
-        n_head = int(llama_cpp.llama_model_n_head(m))
+        n_embd, n_head = int(llama_cpp.llama_model_n_embd(m)), int(llama_cpp.llama_model_n_head(m))
         default_dim = n_embd // max(n_head, 1)
         template = llama_cpp.llama_model_chat_template(m, None)
         return ModelFacts(
@@ -474,27 +475,12 @@ class KVSequence(KeptRow):
             raise UnsupportedModelError(f"{self.model.path.name} has a recurrent cache that cannot be cut at position "
                                         f"{n_keep}; use it without speculation (--proposer none)")
         if not llama_cpp.llama_memory_seq_rm(self.model._mem, self.seq_id, n_keep, -1):
-            raise UnsupportedModelError(f"llama.cpp refused to remove positions >= {n_keep} from "
-                                        f"{self.model.path.name}")
+            raise UnsupportedModelError(f"llama.cpp refused to remove positions >= {n_keep} of {self.model.path.name}")
         del self.tokens[n_keep:]
         self._dropped(n_keep)
         if (pos := self.pos_max()) != n_keep - 1:
             raise EdgespecError(f"KV cache of {self.model.path.name} ends at {pos} after trimming to {n_keep}")
         return dropped
-
-    def shared_prefix(self, tokens: Sequence[int]) -> int:
-        """Length of the cache's longest prefix shared with `tokens`, short of their last token
-        (which must be decoded again for its logits)."""
-        held, n = self.tokens, max(0, min(len(self.tokens), len(tokens) - 1))
-        if held[:n] == list(tokens[:n]):  # the usual case, compared in C
-            return n
-        return next(i for i, (a, b) in enumerate(zip(held, tokens)) if a != b)  # they part before n
-
-    def keep_prefix_of(self, tokens: Sequence[int]) -> int:
-        """Trim the cache to `shared_prefix(tokens)`; returns how many cached tokens were kept."""
-        n = self.shared_prefix(tokens)
-        self.trim(n)
-        return n
 
     def pos_max(self) -> int:
         """The last position llama.cpp holds for the sequence (-1 when empty)."""

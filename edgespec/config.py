@@ -60,6 +60,9 @@ WIDEN_DELAY = 2.0
 # Tokens per batch of an evaluation nobody waits on (a warm-up): the next request aborts the batch in flight
 # (backend.Model.abort) and loses it, so not the context's whole batch; larger ones cost less per token.
 BACKGROUND_BATCH = 64
+# Cells `edgespec serve` sets apart for the aside sequence (LoadConfig.aside): a cut /infill context is built wider
+# there, afresh, while nobody waits, and the editor's slot takes it whole when it is ready (engine.infill).
+ASIDE_TOKENS = 1024
 QUIET_TICK_SECONDS = 0.1  # resolution of the quiet before background widening (server.service)
 # Cross-request memory (memory.py): the namespace of the machine's own user (CLI, Python API, a server without keys);
 # a server's API keys each get one of their own. A namespace is also a file name, so it is kept to these characters.
@@ -101,6 +104,8 @@ class LoadConfig:
     # llama.cpp repacks quantized weights for this CPU's fastest kernels; RPC workers do not, so a run compared
     # token for token with one over workers turns it off.
     repack: bool = True
+    # Cells of one more KV sequence beside the slots, the aside (engine.slots; 0: none). It holds at most this.
+    aside: int = 0
 
     def __post_init__(self) -> None:
         if self.n_ctx is not None and self.n_ctx < 16:
@@ -114,6 +119,8 @@ class LoadConfig:
             raise InvalidRequestError(f"{self.n_seq} slots: use 1 to {MAX_SEQ} (--slots)")
         if self.n_batch < 1:
             raise InvalidRequestError(f"batch size {self.n_batch} must be >= 1")
+        if self.aside < 0:
+            raise InvalidRequestError(f"aside of {self.aside} tokens must be >= 0 (0: none)")
 
 
 @dataclass(frozen=True)

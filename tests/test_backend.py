@@ -10,6 +10,8 @@ from edgespec import gguf
 from edgespec.backend import Model, amx_build
 from edgespec.config import LoadConfig
 from edgespec.decoding import reuse
+from edgespec.decoding.loop import to_evaluate
+from edgespec.engine.slots import Slot, SlotPool
 from edgespec.errors import ContextOverflowError, InvalidModelError, ModelNotFoundError
 
 
@@ -304,3 +306,36 @@ def test_an_amx_build_repacks_the_weights_without_amx(qwen_draft_path, caplog):
         assert names == {t.name for t in gguf.tensors(qwen_draft_path) if re.search(pattern, t.name)} and names
     else:
         assert not moved
+
+
+def test_a_slot_takes_the_aside_whole_only_where_it_leaves_less_to_evaluate(smollm_path):
+    """The aside is built beside the slot, sharing none of its cells: the slot then moves its own (chunk reuse,
+    which moves a cell in every sequence holding it) and the aside still holds what it evaluated. A slot takes the
+    aside by exchanging sequences; it keeps its index, and the cache continues as one that evaluated it all."""
+    with Model(smollm_path, LoadConfig(n_ctx=512)) as m:
+        assert m.aside is None  # the Python API's default; `edgespec serve` sets ASIDE_TOKENS apart
+    with Model(smollm_path, LoadConfig(n_ctx=512, aside=256)) as m:
+        slot = Slot(m.sequences[0], None, index=0)
+        pool = SlotPool([slot], m.aside)
+        text = m.tokenize("def area(width: float, height: float) -> float:\n    return width * height\n" * 3,
+                          add_special=False)
+        typed = m.tokenize("\ndef volume(", add_special=False)
+        slot.cache.evaluate(text)
+        assert pool.build_aside(text, lambda: False, 8) and pool.aside.tokens == text
+        moved = [*text[:10], *m.tokenize(" # a line put in\n", add_special=False), *text[10:]]
+        runs = [(r.start, r.source, r.length) for r in reuse.plan(slot.cache.tokens, moved, 16).runs]
+        assert len(runs) == 2 and runs[1][0] > runs[1][1]  # the slot moves its cells after the first 10
+        slot.cache.evaluate(moved, runs)
+        assert pool.aside.pos_max() == len(text) - 1 and pool.aside.tokens == text
+        held = slot.cache
+        pool.adopt(slot, lambda c: to_evaluate(c, moved + typed))  # the slot holds that one: it stays
+        assert slot.cache is held
+        pool.adopt(slot, lambda c: to_evaluate(c, text + typed))
+        assert slot.cache is not held and slot.cache.tokens == text and slot.index == 0
+        assert pool.aside is held and held.tokens == [] and held.pos_max() == -1
+        rows = np.array(slot.cache.decode(typed, 1)[0])
+        held.decode(text, 0, lambda: False, 8)  # the same tokens evaluated afresh in another sequence, as the aside
+        fresh = np.array(held.decode(typed, 1)[0])
+        # equal but for where llama.cpp put the cells (the old slot's, freed, take the new tokens): that moves this
+        # tiny model's logits by about 3% of their range; a cache with wrong positions or keys moves them far more
+        assert rows.argmax() == fresh.argmax() and np.abs(rows - fresh).max() < 0.06 * np.abs(fresh).max()

@@ -196,6 +196,13 @@ def test_each_slot_holds_a_whole_context():
     assert 2040 <= p.n_ctx <= 2048 and "(2 slots of it)" in p.notes[0]
 
 
+def test_the_aside_sequence_of_edgespec_serve_is_counted_in_the_kv_cache():
+    base, served = plan(QWEN_15B, None, CPU_24G, n_ctx=4096, n_seq=2), plan(QWEN_15B, None, CPU_24G, n_ctx=4096,
+                                                                             n_seq=2, aside=1024)
+    kv = lambda p: next(b for item, b in p.rows if "KV cache" in item)  # noqa: E731
+    assert kv(served) - kv(base) == 28_672 * 1024 and "+ 1024 aside" in served.rows[1][0]
+
+
 def test_the_budget_is_the_first_gpu_device_llama_cpp_reports():
     from edgespec.planning.budget import detect_budget
 

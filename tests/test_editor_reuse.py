@@ -268,3 +268,32 @@ def test_a_warm_request_takes_what_its_slot_serves_in_place_unless_a_move_buys_e
         eng.prompt_rate = rate(0.0)  # a free move: the budget's tokens go to more lines before the cursor
         wider = eng.infill_prompt(infill, 16, 0.5, cache_reuse=16)
         assert wider.kept.prefix_tokens[0] > first.kept.prefix_tokens[0], (first.kept, wider.kept)
+
+
+def test_a_cut_context_is_built_aside_afresh_and_the_next_line_starts_there(server):
+    """After a budgeted /infill cut its context, the lines before the cursor line are evaluated afresh beside the
+    slot while nobody waits (counted in edgespec_aside_builds). The request on the next line starts its prompt where
+    those lines do: a prefix wider than its budget buys, for only the tokens the aside does not hold."""
+    lines = "".join(SOURCE).splitlines(keepends=True)
+
+    def at(y: int) -> dict:
+        return {"input_prefix": "".join(lines[:y]), "input_suffix": "\n" + "".join(lines[y + 1:y + 20]),
+                "prompt": "    ", "n_predict": 4, "temperature": 0, "t_max_prompt_ms": 300, "t_max_predict_ms": 250}
+
+    def builds_done() -> float:
+        text = httpx.get(server.url + "/metrics", timeout=60).text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith('edgespec_aside_builds_total{outcome="done"}'))
+
+    done = builds_done()
+    first = httpx.post(server.url + "/infill", json=at(121), timeout=300).json()
+    assert first["truncated"] is True
+    for _ in range(600):  # the build runs once the answer is out; nothing else is sent meanwhile
+        if builds_done() > done:
+            break
+        time.sleep(0.1)
+    assert builds_done() > done
+    nxt = httpx.post(server.url + "/infill", json=at(123), timeout=300).json()  # the next function's body line
+    kept, cut = nxt["infill"]["prefix_tokens"][0], first["infill"]["prefix_tokens"][0]
+    assert kept > max(cut, nxt["infill"]["budget_tokens"]), (first["infill"], nxt["infill"])
+    assert nxt["tokens_cached"] > cut and nxt["timings"]["prompt_n"] < kept - cut, nxt["timings"]

@@ -199,3 +199,19 @@ def test_the_editors_next_request_is_served_by_the_answer_left_in_the_prompt():
     assert continuation(at, answer, prompt, generated, PLAIN, lambda t: chr(t).encode(), ended=True) is None
     assert continuation(at, answer[:-1], prompt, generated, PLAIN, lambda t: chr(t).encode()) is None  # indent cut
     assert continuation(at, answer + "\n\n", prompt, chars(answer + "\n\n"), PLAIN, lambda t: chr(t).encode()) is None
+
+
+def test_the_stable_part_keeps_its_first_line_as_the_cursor_moves_down_and_a_fit_starts_there():
+    """An aside build holds the lines before the cursor line: the nearest that fit `first` tokens, and, once built,
+    from the same first line on while they fit `most`. A prompt priced against it starts where it does."""
+    fim = FimPrompt(QWEN_LIKE, chars)
+    lines = [f"l{i:03d}\n" for i in range(200)]  # 5 tokens a line
+    tokens, held = fim.stable(Infill("".join(lines[:120]), "\n"), first=100, most=300)
+    assert held == "".join(lines[100:120]) and tokens == [*fim.head(()), PRE, *chars(held)]
+    later = Infill("".join(lines[:125]), "\n" + "".join(lines[126:130]), "  x")
+    tokens2, held2 = fim.stable(later, first=100, most=300, held=held)
+    assert held2 == "".join(lines[100:125]) and tokens2[:len(tokens)] == tokens
+    assert fim.stable(later, first=100, most=110, held=held)[1] == "".join(lines[105:125])  # too wide: anew
+    assert fim.stable(later, first=100, most=300, held="gone\n")[1] == "".join(lines[105:125])
+    fitted = fim.fit(later, room=10_000, max_new=60, new_tokens=lambda t: reuse.plan(tokens, t).new, starts=(25,))
+    assert fitted.kept.prefix_tokens[0] == 25 * 5 and fitted.tokens[:len(tokens)] == tokens

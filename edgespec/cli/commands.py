@@ -17,6 +17,7 @@ from edgespec.cli.options import (constraints, domain_errors, echo_stats, engine
 from edgespec.cli.terminal import print_stream, read_stdin
 from edgespec.cli.userconfig import settle
 from edgespec.config import (
+    ASIDE_TOKENS,
     DEFAULT_FIM_LAYOUT,
     DEFAULT_HOST,
     DEFAULT_MAX_BODY_BYTES,
@@ -164,7 +165,7 @@ def serve(host: str, port: int, api_keys: tuple[str, ...], cors_origins: tuple[s
         raise click.ClickException(f"refusing to listen on {host} without an API key: anyone who can reach it "
                                    f"could use it; pass --api-key KEY, or keep the default --host 127.0.0.1")
     # Bad options end here, in one line, before the port opens. Memory: on by default only where text stays local.
-    config = engine_config(o, mmap=False, n_seq=n_seq, memory=is_loopback(host))
+    config = engine_config(o, mmap=False, n_seq=n_seq, memory=is_loopback(host), aside=ASIDE_TOKENS)
     port = settle({"port": port}).port
     settings = Settings(host=host, port=port, api_key=api_keys[0] if api_keys else None, api_keys=api_keys[1:],
                         cors_origins=cors_origins,

@@ -53,9 +53,10 @@ class Target(Protocol):
 
 
 class KeptRow:
-    """The logits row that ended a cache's last evaluation, kept while the positions it was computed over stay: a
-    prompt evaluated again (n_cmpl's other completions, a regenerate) samples its first token from it instead of
-    decoding its last token again, as llama-server's parallel completions share one evaluation."""
+    """A cache mirrored in `tokens`: the prefix it shares with a prompt, and the logits row that ended its last
+    evaluation, kept while the positions it was computed over stay: a prompt evaluated again (n_cmpl's other
+    completions, a regenerate) samples its first token from it instead of decoding its last token again, as
+    llama-server's parallel completions share one evaluation."""
 
     tokens: list[int]
     _row: tuple[int, np.ndarray] | None = None  # (positions it follows, the row)
@@ -69,6 +70,20 @@ class KeptRow:
         return self._row[1][None].copy()
 
     def trim(self, n_keep: int) -> int: ...
+
+    def shared_prefix(self, tokens: Sequence[int]) -> int:
+        """Length of the cache's longest prefix shared with `tokens`, short of their last token
+        (which must be decoded again for its logits)."""
+        held, n = self.tokens, max(0, min(len(self.tokens), len(tokens) - 1))
+        if held[:n] == list(tokens[:n]):  # the usual case, compared in C
+            return n
+        return next(i for i, (a, b) in enumerate(zip(held, tokens)) if a != b)  # they part before n
+
+    def keep_prefix_of(self, tokens: Sequence[int]) -> int:
+        """Trim the cache to `shared_prefix(tokens)`; returns how many cached tokens were kept."""
+        n = self.shared_prefix(tokens)
+        self.trim(n)
+        return n
 
     def _keep_row(self, rows: np.ndarray | None) -> None:
         """After an evaluation that ended at the cache's end: its last row (none when it stopped early)."""
@@ -202,6 +217,11 @@ def prefill(target: Target, prompt: Sequence[int], stats: Stats, reuse: bool = T
     stats.cached_prompt_tokens = kept.reused
     stats.shifted_prompt_tokens = kept.moved
     return target.evaluate(prompt, [(r.start, r.source, r.length) for r in kept.runs], 1, stop, step)
+
+
+def to_evaluate(target: Target, prompt: Sequence[int], min_chunk: int = 0, anchor: int | None = None) -> int:
+    """How many prompt tokens `prefill` would evaluate in `target`, its cache reused."""
+    return chunks.plan(target.tokens, prompt, min_chunk if target.can_shift else 0, anchor).new
 
 
 def cycle(target: Target, proposer: Proposer | None, committed: list[int], k: int, sc: SamplingConfig,

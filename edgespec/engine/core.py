@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Sequence
 from edgespec.backend import Grammar, Model, open_facts
 from edgespec.config import DEFAULT_MODEL, EngineConfig, GenerationConfig, LoadConfig
 from edgespec.decoding.costs import CostTracker, PromptRate, calibrate
-from edgespec.decoding.loop import Stats
+from edgespec.decoding.loop import Stats, to_evaluate
 from edgespec.decoding.policy import DRAFT_P_MIN, Costs, draft_can_pay, draft_cannot_pay
 from edgespec.decoding.rules import Rules
 from edgespec.engine import generation
@@ -91,8 +91,8 @@ class Engine:
         except BaseException:
             self.target.close()
             raise
-        self.slots = [Slot(cache, p) for cache, p in zip(self.target.sequences, proposers)]
-        self.pool = SlotPool(self.slots)
+        self.slots = [Slot(cache, p, index=i) for i, (cache, p) in enumerate(zip(self.target.sequences, proposers))]
+        self.pool = SlotPool(self.slots, self.target.aside)
         c = self.costs  # the calibrated curve prices a prompt's new tokens; every prefill corrects its scale
         self.prompt_rate = PromptRate(c.batches, c.target_seconds) if c is not None else PromptRate()
         if not self.target.can_shift:
@@ -120,7 +120,7 @@ class Engine:
         name = self.config.proposer
         drafter = None
         if draft_path is not None:
-            draft_model = self._load(draft_path, replace(self.load_config, n_gpu_layers=self._draft_layers))
+            draft_model = self._load(draft_path, replace(self.load_config, n_gpu_layers=self._draft_layers, aside=0))
             try:
                 drafter = DraftProposer(draft_model, self.target, p_min=DRAFT_P_MIN if name == "auto" else 0.0)
             except BaseException:
@@ -219,7 +219,14 @@ class Engine:
         """A fill-in-the-middle prompt leaving `max_tokens` of room: sized for `budget_seconds` of prompt evaluation
         against what the slot holds, or as llama.cpp sizes it; a `warm_up` keeps the slot's FIM part (engine.infill)."""
         return infill_prompt(self.target, self.slots, self.prompt_rate, infill, max_tokens, budget_seconds, slot,
-                             cache_reuse, layout, warm_up)
+                             cache_reuse, layout, warm_up, self.pool.aside, self.pool.aside_lines)
+
+    def build_aside(self, tokens: Sequence[int], lines: str, cancel: threading.Event, step: int) -> bool:
+        """Evaluate `tokens` into the aside sequence while nobody waits, from what it holds of them, in batches of
+        `step` until `cancel` (engine.slots); `lines` says what they hold (engine.infill). Whether all of them are
+        evaluated."""
+        self.pool.aside_lines = lines
+        return self.pool.build_aside(tokens, cancel.is_set, step)
 
     def check_fits(self, prompt: Sequence[int], prompt_name: str = "the prompt") -> None:
         """Raise ContextOverflowError, with the numbers, unless the prompt leaves room for one token; `prompt_name`
@@ -266,6 +273,8 @@ class Engine:
                 if slot is None:  # cancelled while it waited for a slot
                     yield Chunk("", [], [], "cancelled", Stats(prompt_tokens=len(prompt_tokens)))
                     return
+                if config.reuse_prefix and self.pool.aside is not None and self.pool.aside.tokens:
+                    self.pool.adopt(slot, lambda c: to_evaluate(c, prompt_tokens, config.cache_reuse, anchor))
                 for chunk in generation.remembered(slot, prompt_tokens, memory,
                                                    generation.chunks(slot, prompt_tokens, run)):
                     # a prefill in the context's batches (a background one runs in small batches, at another rate)

@@ -153,7 +153,7 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
     finally:
         steps.close()
     full = finish == "length" and len(prompt) + stats.completion_tokens >= slot.cache.n_ctx
-    yield Chunk("", [], [], finish, stats, text.matched, full, slot.cache.seq_id)
+    yield Chunk("", [], [], finish, stats, text.matched, full, slot.index)
 
 
 def _drafters(proposer: Proposer | None) -> list[DraftProposer]:

@@ -3,9 +3,13 @@
 Without a time budget the FIM context is cut as llama.cpp's server cuts it for the same batch size. With one
 (llama.vim's and llama.vscode's `t_max_prompt_ms`) it takes as many whole lines nearest the cursor as the prompt
 evaluation cost allows in that time, counting only tokens the slot's cache cannot reuse, and never fewer than the
-nearest lines (fim.NEAR_LINES): a cold cache gets a narrow context, answered in about the time asked. After a pause
-the context is widened in the background a few lines at a time (each wider prompt reusing the one before it), so
-the cache warms outwards from the cursor and the next request can take more.
+nearest lines (fim.NEAR_LINES): a cold cache gets a narrow context, answered in about the time asked.
+
+While nobody waits, a wider context is evaluated afresh beside the slot (the aside sequence, engine.slots): the
+lines before the cursor line, which stay as the cursor moves on down, ASIDE_FIRST_TOKENS of them at first, then
+kept from the same line on as the file is walked. A request prices its prompts against the aside too, and takes it
+where that is wider for its budget: then only its new lines, the typed text and the suffix are evaluated. Without
+an aside (a model that cannot park chunks) the context is widened in place after a pause, a few lines at a time.
 """
 
 from __future__ import annotations
@@ -15,16 +19,20 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from edgespec.backend import Model
+from edgespec.backend import KVSequence, Model
 from edgespec.decoding import reuse
 from edgespec.decoding.costs import PromptRate
 from edgespec.engine.slots import Slot
-from edgespec.prompts.fim import FimPrompt, Infill, Kept, cursor_anchor
+from edgespec.prompts.fim import Fitted, FimPrompt, Infill, Kept, cursor_anchor, lines_start
 
 # New tokens a request's budget must buy after moving what the slot holds (a re-rotation of every cell of the
 # context) for the move to be worth it; where it buys fewer, the request takes what the slot serves in place and the
 # pauses widen the context.
 MOVE_MIN_GAIN = 64
+# Tokens of prefix lines a first aside build takes: ready after a few of an editor's pauses, yet enough wider than
+# what a budget buys to complete better (docs/bench/editor.md).
+ASIDE_FIRST_TOKENS = 320
+ASIDE_HEAD = 32  # tokens an aside build leaves of LoadConfig.aside for what precedes the lines (FIM and file tokens)
 WIDEN_LINES_STEP = 4  # of fim.FIT_STEPS: a background step adds 1/64 of the lines a side, done within a pause
 # Texts kept tokenized: a fit tokenizes the prefix, the suffix and the typed text once, and mostly the same ones
 # again on an editor's next request (the same line typed further, its speculative request).
@@ -40,14 +48,19 @@ class InfillPrompt:
     budget_tokens: int | None  # new tokens the time budget allowed (None: no budget, or no rate known yet)
     # Ever wider prompts out to all the context that fits, when the budget cut it: for the background.
     widening: Callable[[], Iterator[list[int]]] = field(default=lambda: iter(()))
+    # What to build in the aside sequence for the requests that follow (its tokens and the lines they hold), when
+    # that is wider than this prompt; None without a budget or an aside.
+    aside: Callable[[], tuple[list[int], str] | None] = field(default=lambda: None)
 
 
 def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Infill, max_tokens: int,
                   budget_seconds: float | None = None, slot: int | None = None, cache_reuse: int = 0,
-                  layout: str = "prefix", warm_up: bool = False) -> InfillPrompt:
+                  layout: str = "prefix", warm_up: bool = False, aside: KVSequence | None = None,
+                  aside_lines: str = "") -> InfillPrompt:
     """The FIM prompt for `infill` on target `m` that leaves `max_tokens` of room, sized for `budget_seconds` of
     prompt evaluation at `rate` (None: as llama.cpp sizes it), in `slot` or else the free slot that can reuse most
-    of it. A `warm_up` of extra chunks alone keeps the FIM part the slot holds after them (FimPrompt.warm_up)."""
+    of it. A `warm_up` of extra chunks alone keeps the FIM part the slot holds after them (FimPrompt.warm_up).
+    `aside` holds `aside_lines` of an earlier request's prefix, evaluated afresh: the prompt may start there."""
     fim = FimPrompt(m.vocab, lambda text: list(_tokens(m, text)), layout, m.token_bytes)
     room = m.n_ctx - max_tokens
 
@@ -73,6 +86,7 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
     chosen = _slot_for(slots, slot, lambda s: new_tokens(s, widest))
     target = slots[chosen]
     fitted, budget = None, rate.tokens_within(budget_seconds) or 0
+    plain = budget  # what the budget buys where nothing moves (as in the aside)
     if kept_of(target, widest).moved:  # moving what the slot holds costs a re-rotation before any token's price
         moving = rate.tokens_within(budget_seconds, True) or 0
         if moving <= MOVE_MIN_GAIN:
@@ -82,8 +96,35 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
             fitted = in_place if k.moved == 0 and k.new <= budget else None
         budget = budget if fitted else moving
     fitted = fitted or fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t))
-    return InfillPrompt(fitted.tokens, fitted.kept, chosen, new_tokens(target, fitted.tokens), budget,
-                        lambda: fim.widening(infill, room, fitted, WIDEN_LINES_STEP))
+    new = new_tokens(target, fitted.tokens)
+    if aside is not None and aside.tokens and (wide := _from_aside(fim, infill, room, aside, aside_lines, plain,
+                                                                   fitted, new)):
+        fitted, new = wide
+    done = fitted.kept.prefix_tokens[0] >= fitted.kept.prefix_tokens[1]
+
+    def build() -> tuple[list[int], str] | None:
+        if aside is None or done:
+            return None
+        tokens, lines = fim.stable(infill, ASIDE_FIRST_TOKENS, m.cfg.aside - ASIDE_HEAD, aside_lines)
+        wider = len(tokens) - tokens.index(m.vocab.fim_pre) - 1 > fitted.kept.prefix_tokens[0]
+        return (tokens, lines) if wider else None
+
+    return InfillPrompt(fitted.tokens, fitted.kept, chosen, new, budget,
+                        lambda: fim.widening(infill, room, fitted, WIDEN_LINES_STEP), build)
+
+
+def _from_aside(fim: FimPrompt, infill: Infill, room: int, aside: KVSequence, lines: str, budget: int,
+                fitted: Fitted, new: int) -> tuple[Fitted, int] | None:
+    """The prompt that starts where the aside's lines do, and its new tokens there, where it keeps more of the
+    prefix than `fitted` (the slot's, `new` tokens to evaluate) for no more than the budget or `new`; else None."""
+    held = infill.prefix.splitlines(keepends=True)
+    if (at := lines_start(held, lines)) is None:
+        return None
+    cost = lambda t: reuse.plan(aside.tokens, t).new  # noqa: E731 - the aside is reused as a prefix only
+    wide = fim.fit(infill, room, max(budget, 1), cost, starts=(len(held) - at,))
+    if wide.kept.prefix_tokens[0] <= fitted.kept.prefix_tokens[0] or (n := cost(wide.tokens)) > max(budget, new):
+        return None
+    return wide, n
 
 
 @functools.lru_cache(maxsize=TOKENIZED_TEXTS)

@@ -3,6 +3,9 @@
 A generation takes a free slot (the one it asked for, else the one whose cache it can reuse most, else the least
 recently used) and waits for one while all are busy. Generations in different slots take turns on the target, one
 cycle each, in arrival order (`FairLock`), so a long answer does not hold an editor's completion for its whole length.
+
+Beside the slots, one more sequence (the aside) is built while nobody waits: a context wider than a request could
+afford, evaluated afresh. A slot takes it whole, by exchanging sequences, when a prompt keeps more of it.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import Generator, Iterator, Sequence
+from typing import Callable, Generator, Iterator, Sequence
 
 from edgespec.backend import KVSequence
 from edgespec.decoding import loop
@@ -29,6 +32,7 @@ class Slot:
     proposer: Proposer | None
     busy: bool = False
     last_used: float = 0.0
+    index: int = 0  # its place in the pool, what clients call it (its cache's sequence changes: SlotPool.adopt)
 
 
 class FairLock:
@@ -57,8 +61,10 @@ class FairLock:
 class SlotPool:
     """The engine's slots, the lock that gives the target to one cycle at a time, and the generations under way."""
 
-    def __init__(self, slots: Sequence[Slot]) -> None:
+    def __init__(self, slots: Sequence[Slot], aside: KVSequence | None = None) -> None:
         self.slots = list(slots)
+        self.aside = aside  # None where the model has none (backend.Model.aside)
+        self.aside_lines = ""  # what the aside's builder last asked it to hold, in its own terms (engine.infill)
         self._free = threading.Condition()  # guards Slot.busy; notified when a slot is released
         self._turn = FairLock()  # one target pass at a time: generations in other slots interleave by cycle
         self._running: set[threading.Event] = set()  # cancel events of the generations under way
@@ -99,6 +105,26 @@ class SlotPool:
                 free, key=lambda s: (s.cache.shared_prefix(prompt), -s.last_used))
             slot.busy = True
             return slot
+
+    def build_aside(self, tokens: Sequence[int], stop: Callable[[], bool], step: int) -> bool:
+        """Make the aside hold `tokens`: what it holds of them is kept, the rest evaluated in batches of `step` until
+        `stop`. Whether it holds them all. It shares no cell with a slot: a slot that moves a cell (chunk reuse)
+        moves it in every sequence that holds it."""
+        aside = self.aside
+        assert aside is not None
+        with self._turn:
+            if aside.tokens == list(tokens):
+                return True
+            aside.keep_prefix_of(tokens)
+            return aside.decode(tokens[aside.n_past:], 0, stop, step) is not None
+
+    def adopt(self, slot: Slot, new_tokens: Callable[[KVSequence], int]) -> None:
+        """Give `slot` the aside where its prompt has fewer `new_tokens` to evaluate there; the slot's old sequence,
+        emptied, becomes the aside."""
+        with self._turn:
+            if self.aside is not None and new_tokens(self.aside) < new_tokens(slot.cache):
+                slot.cache, self.aside = self.aside, slot.cache
+                self.aside.trim(0)
 
     def turns(self, steps: Iterator[loop.Step]) -> Generator[loop.Step, None, None]:
         """Each step of a generation under the turn lock, released while the consumer has it."""

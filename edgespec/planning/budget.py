@@ -166,6 +166,7 @@ def plan(
     n_ubatch: int = DEFAULT_N_BATCH,
     kv_type: str = "f16",
     n_seq: int = 1,
+    aside: int = 0,
     target_gpu_layers: int | None = None,
     draft_gpu_layers: int | None = None,
     measured: Measured = lambda which, layers: None,
@@ -179,7 +180,7 @@ def plan(
     draft's layers are given: then the draft loads wherever it fits). The layers are
     `target_gpu_layers` / `draft_gpu_layers` when given. A verify batch of Kmax+1 tokens is one
     llama_decode of at most `n_ubatch` tokens, with a logits row per token; Kmax shrinks before the
-    target is refused. `n_seq`: KV sequences, each of the whole context.
+    target is refused. `n_seq`: KV sequences, each of the whole context; `aside`: cells of one more.
     """
     gpu = budget.gpu_bytes > 0
     if not gpu:  # a CPU build of llama.cpp offloads nothing, whatever it is asked
@@ -188,7 +189,7 @@ def plan(
     want_ctx = max(n_ctx or min(target.n_ctx_train, DEFAULT_N_CTX), MIN_CTX)  # llama.cpp pads smaller ones up
     notes: list[str] = []
     k_max = _k_max(target, int(budget.ram_bytes * HEADROOM), k_max, n_ubatch, kv_type, notes)
-    mem = _Memory(budget, k_max + 1, n_ubatch, kv_type, n_seq)
+    mem = _Memory(budget, k_max + 1, n_ubatch, kv_type, n_seq, aside)
     _check_target_fits(target, mem, gpu)
     floor = want_ctx if n_ctx else min(want_ctx, MIN_TRADED_CTX)  # a context the user set is not traded for speed
     layouts = _layouts(target, draft, mem, want_ctx, floor, target_gpu_layers, draft_gpu_layers)
@@ -216,7 +217,7 @@ def _check_target_fits(target: ModelMemory, mem: _Memory, gpu: bool) -> None:
     if any(mem.fits([(target, g)], MIN_CTX) for g in (range(target.units + 1) if gpu else [0])):
         return
     need = mem.usage(target, 0, MIN_CTX)[1]
-    kv = target.kv_bytes_per_token(mem.kv_type) * mem.n_seq * MIN_CTX
+    kv = target.kv_bytes_per_token(mem.kv_type) * (mem.n_seq * MIN_CTX + mem.aside)
     b = mem.budget
     usable = int(b.ram_bytes * HEADROOM) + (int(b.gpu_bytes * HEADROOM) if gpu and not b.unified else 0)
     raise OutOfMemoryError(
@@ -250,11 +251,12 @@ class _Memory:
     n_ubatch: int
     kv_type: str
     n_seq: int
+    aside: int = 0  # cells of the aside sequence (LoadConfig.aside), counted for each model: a draft's are 0
 
     def usage(self, m: ModelMemory, layers: int, ctx: int) -> tuple[int, int]:
         """(GPU bytes, host bytes): llama.cpp keeps an offloaded layer's KV beside it, logits on the host."""
         on_gpu = m.gpu_weight_bytes(layers)
-        kv = m.kv_bytes_per_token(self.kv_type) * self.n_seq * ctx
+        kv = m.kv_bytes_per_token(self.kv_type) * (self.n_seq * ctx + self.aside)
         kv_gpu = kv * min(layers, m.n_layer) // m.n_layer
         compute = m.compute_bytes(self.n_ubatch)
         gpu = on_gpu + kv_gpu + (compute if layers else 0)
@@ -282,8 +284,8 @@ class _Memory:
         return lo
 
     def items(self, m: ModelMemory, layers: int, ctx: int) -> list[tuple[str, int]]:
-        seqs = f" x {self.n_seq} slots" if self.n_seq > 1 else ""
-        kv = m.kv_bytes_per_token(self.kv_type) * ctx * self.n_seq
+        seqs = (f" x {self.n_seq} slots" if self.n_seq > 1 else "") + (f" + {self.aside} aside" if self.aside else "")
+        kv = m.kv_bytes_per_token(self.kv_type) * (ctx * self.n_seq + self.aside)
         kv_item = (f"{m.name} KV cache ({ctx} tokens{seqs}, {self.kv_type})", kv)
         tail = [(f"{m.name} compute buffers", m.compute_bytes(self.n_ubatch)),
                 (f"{m.name} logits ({self.rows} rows)", m.logits_bytes(self.rows))]

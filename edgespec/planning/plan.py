@@ -78,7 +78,7 @@ def plan_memory(target: Path, draft: Path | None, load: LoadConfig, k_max: int,
     target_mem = memory_of(facts)
     target_mem = replace(target_mem, weights_bytes=int(target_mem.weights_bytes * local_share))
     p = budget.plan(target_mem, draft_mem, b,
-                    n_ctx=load.n_ctx, k_max=k_max, n_ubatch=load.n_batch, n_seq=load.n_seq,
+                    n_ctx=load.n_ctx, k_max=k_max, n_ubatch=load.n_batch, n_seq=load.n_seq, aside=load.aside,
                     target_gpu_layers=load.n_gpu_layers if load.n_gpu_layers >= 0 else None,
                     draft_gpu_layers=draft_gpu_layers, measured=measured, keep_draft=keep_draft)
     if onnx_note is not None:

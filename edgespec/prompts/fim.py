@@ -170,11 +170,12 @@ class FimPrompt:
                             (len(infill.extra) if n_head == len(head) else 0, len(infill.extra)))
 
     def fit(self, infill: Infill, room: int, max_new: int | None = None,
-            new_tokens: Callable[[list[int]], int] = len) -> Fitted:
+            new_tokens: Callable[[list[int]], int] = len, starts: Sequence[int] = ()) -> Fitted:
         """The widest prompt of at most `room` tokens of which at most `max_new` are new (`new_tokens` counts them
         against what is cached): whole lines nearest the cursor first, then the latest extra chunks. A budget below
         the cost of the nearest lines (NEAR_LINES before the cursor) is raised to it: without them a completion is a
-        guess, and what the cache holds around them comes with them for free."""
+        guess, and what the cache holds around them comes with them for free. `starts`: counts of prefix lines worth
+        trying, where a cache's prompt starts (its cost drops there alone)."""
         def fits(take: Take, most: int | None) -> tuple[list[int], list[int], list[int]] | None:
             built = self.tokens(infill, take)
             ok = len(built[0]) <= room and (most is None or new_tokens(built[0]) <= most)
@@ -198,7 +199,9 @@ class FimPrompt:
             built, cost = lines(step)
             return built if cost is not None and (max_new is None or cost <= max_new) else None
 
-        step, built = _widest(FIT_STEPS, affordable, (near,) if max_new is not None else ())
+        n_lines = len(infill.prefix.splitlines())
+        also = (near, *(_steps_for(k, n_lines) for k in starts)) if max_new is not None else ()
+        step, built = _widest(FIT_STEPS, affordable, also)
         if built is None:  # not even the nearest lines fit the room: the typed text alone, over the budget
             if (built := fits(Take(0, 0, 0), None)) is None:
                 alone = len(self.tokens(infill, Take(0, 0, 0))[0])
@@ -213,6 +216,20 @@ class FimPrompt:
         n_extra, with_extra = _largest(len(infill.extra), lambda e: fits(_share(infill, step, e, cap), max_new))
         prompt, pre, suf = with_extra or built
         return Fitted(prompt, self.kept(infill, pre, suf, n_extra), step, n_extra)
+
+    def stable(self, infill: Infill, first: int, most: int, held: str = "") -> tuple[list[int], str]:
+        """The start of `infill`'s prompts that stays while the cursor moves on down (the head without extra chunks,
+        then whole lines of the prefix) and the lines it holds: from where the lines `held` start while they fit
+        `most` tokens, else the nearest lines that fit `first`."""
+        lines = infill.prefix.splitlines(keepends=True)
+        n = len(lines)
+
+        def fits(k: int, most: int) -> int | None:
+            return k if len(self._cut(infill.prefix, lines, n - k, n)) <= most else None
+
+        at = lines_start(lines, held)
+        k = n - at if at is not None and fits(n - at, most) is not None else _largest(n, lambda k: fits(k, first))[0]
+        return self.tokens(Infill(infill.prefix, "", "", ()), Take(k, 0, 0))[0][:-2], "".join(lines[n - k:])
 
     def widening(self, infill: Infill, room: int, fitted: Fitted, lines_step: int) -> Iterator[list[int]]:
         """Prompts ever wider than `fitted`, out to all that fits `room`: `lines_step` more steps of lines at a
@@ -229,6 +246,12 @@ class FimPrompt:
             if len(prompt) > room:
                 return
             yield prompt
+
+
+def lines_start(lines: Sequence[str], held: str) -> int | None:
+    """The first of `lines` from which they begin with the text `held` (None: nowhere, or `held` is empty)."""
+    return next((i for i, line in enumerate(lines) if held and held.startswith(line) and
+                 "".join(lines[i:]).startswith(held)), None)
 
 
 def accepted(infill: Infill, suggestion: str) -> Infill | None:

@@ -42,6 +42,8 @@ class Metrics:
                                ["phase"], registry=r)
         self.waiting = Gauge("edgespec_requests_waiting", "Generations waiting for a free slot", registry=r)
         self.busy = Gauge("edgespec_slots_busy", "Slots generating now", registry=r)
+        self.aside_builds = Counter("edgespec_aside_builds", "Wider /infill contexts built beside the slots while "
+                                    "nobody waited, by outcome (done, stopped by a request)", ["outcome"], registry=r)
 
     def request(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()

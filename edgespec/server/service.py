@@ -146,11 +146,12 @@ class Service:
                 self.loaded.target.abort()
             await asyncio.wait([job for _, job in jobs])
 
-    def warm(self, prompts: Callable[[], Iterable[list[int]]], config: GenerationConfig, delay: float = 0.0,
-             now: Callable[[], Iterable[list[int]]] = lambda: ()) -> None:
-        """Evaluate each of `now`, then from `delay` seconds of quiet on each of `prompts`, in turn into the cache of
-        `config`'s slot while nobody waits, until the next request (each prompt is the one before it with more
-        context: what was evaluated stays usable)."""
+    def warm(self, prompts: Callable[[], Iterable[list[int]]] | None, config: GenerationConfig, delay: float = 0.0,
+             now: Callable[[], Iterable[list[int]]] = lambda: (),
+             aside: Callable[[threading.Event], bool] | None = None) -> None:
+        """While nobody waits, until the next request: first `aside` (a build beside the slots, Engine.build_aside)
+        if there is one, then each of `now` into the cache of `config`'s slot, then from `delay` seconds of quiet
+        each of `prompts` there (each the one before it with more context: what was evaluated stays usable)."""
         eng, cancel = self.engine(), threading.Event()
         config = dataclasses.replace(config, max_tokens=0, prompt_batch=BACKGROUND_BATCH, memory=None)
 
@@ -163,7 +164,12 @@ class Service:
             return not cancel.is_set()
 
         def work() -> None:
-            if evaluated(now) and not _quiet_for(delay, cancel):
+            if aside is not None:
+                done = aside(cancel)
+                self.metrics.aside_builds.labels("done" if done else "stopped").inc()
+                if not done:
+                    return
+            if evaluated(now) and prompts is not None and not _quiet_for(delay, cancel):
                 evaluated(prompts)
 
         self._background(cancel, self.submit(work))

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgespec.config import ANSWER_SLACK, LLAMA_N_PREDICT, LLAMA_TEMPERATURE, WIDEN_DELAY
+from edgespec.config import ANSWER_SLACK, BACKGROUND_BATCH, LLAMA_N_PREDICT, LLAMA_TEMPERATURE, WIDEN_DELAY
 from edgespec.errors import InvalidRequestError
 from edgespec.prompts.fim import Continuation, Infill, accepted, continuation
 from edgespec.server import logprobs, schemas
@@ -95,7 +95,10 @@ class LlamaRoutes:
             tokens = [t for c in chunks for t in c.tokens]
             if cont := continuation(infill, answer, ip.tokens, tokens, m.vocab, m.token_bytes, layout, ended):
                 self.follows[ip.slot] = (cont, ip)
-            self.svc.warm(wider, req.config, WIDEN_DELAY, now=lambda: () if cont else ahead(answer))
+            # the next requests' wider context: built aside, afresh, first; widened in place only without an aside
+            build, widen = ip.aside(), wider if eng.pool.aside is None else None
+            aside = None if build is None else lambda cancel: eng.build_aside(*build, cancel, BACKGROUND_BATCH)
+            self.svc.warm(widen, req.config, WIDEN_DELAY, now=lambda: () if cont else ahead(answer), aside=aside)
 
         return await self.respond(request, ip.tokens, req, "the infill prompt ('input_prefix', 'input_suffix', "
                                                            "'prompt', 'input_extra')", infill=True, report=report,

@@ -9,7 +9,8 @@ While nobody waits, a wider context is evaluated afresh beside the slot (the asi
 lines before the cursor line, which stay as the cursor moves on down, ASIDE_FIRST_TOKENS of them at first, then
 kept from the same line on as the file is walked. A request prices its prompts against the aside too, and takes it
 where that is wider for its budget: then only its new lines, the typed text and the suffix are evaluated. Without
-an aside (a model that cannot park chunks) the context is widened in place after a pause, a few lines at a time.
+an aside (LoadConfig.aside 0, or a model that cannot park chunks) the server widens the context in place after a
+pause, a few lines at a time.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
     def build() -> tuple[list[int], str] | None:
         if aside is None or done:
             return None
-        tokens, lines = fim.stable(infill, ASIDE_FIRST_TOKENS, m.cfg.aside - ASIDE_HEAD, aside_lines)
+        most = m.cfg.aside - ASIDE_HEAD
+        tokens, lines = fim.stable(infill, min(ASIDE_FIRST_TOKENS, most), most, aside_lines)
         wider = len(tokens) - tokens.index(m.vocab.fim_pre) - 1 > fitted.kept.prefix_tokens[0]
         return (tokens, lines) if wider else None
 

@@ -251,7 +251,7 @@ class _Memory:
     n_ubatch: int
     kv_type: str
     n_seq: int
-    aside: int = 0  # cells of the aside sequence (LoadConfig.aside), counted for each model: a draft's are 0
+    aside: int = 0  # cells of the target's aside sequence (LoadConfig.aside); counted for a draft too, which has none
 
     def usage(self, m: ModelMemory, layers: int, ctx: int) -> tuple[int, int]:
         """(GPU bytes, host bytes): llama.cpp keeps an offloaded layer's KV beside it, logits on the host."""

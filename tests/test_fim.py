@@ -212,6 +212,10 @@ def test_the_stable_part_keeps_its_first_line_as_the_cursor_moves_down_and_a_fit
     tokens2, held2 = fim.stable(later, first=100, most=300, held=held)
     assert held2 == "".join(lines[100:125]) and tokens2[:len(tokens)] == tokens
     assert fim.stable(later, first=100, most=110, held=held)[1] == "".join(lines[105:125])  # too wide: anew
+    # an editor's speculative request put a suggestion's lines before the cursor; the next request has them no more
+    shown = Infill("".join(lines[:120]) + "a suggested line\n", "\n")
+    held3 = fim.stable(shown, first=100, most=300, held=held)[1]
+    assert held3 == held + "a suggested line\n" and fim.stable(later, 100, 300, held3)[1] == held2
     assert fim.stable(later, first=100, most=300, held="gone\n")[1] == "".join(lines[105:125])
     fitted = fim.fit(later, room=10_000, max_new=60, new_tokens=lambda t: reuse.plan(tokens, t).new, starts=(25,))
     assert fitted.kept.prefix_tokens[0] == 25 * 5 and fitted.tokens[:len(tokens)] == tokens

@@ -33,6 +33,7 @@ NEAR_LINES = 8
 # Suffix lines a budgeted prompt takes at most: past the cursor nothing moved is reused (cursor_anchor), so the suffix
 # is evaluated again on every keystroke, and a completion's first line needs little more than the lines after it.
 SUFFIX_LINES = 2
+HELD_LINES = 8  # lines at the start of a cached prompt's lines that locate it in a request's (lines_start)
 ANCHOR_SCAN = 512  # tokens before the cursor searched for the line before it (cursor_anchor); a longer line ends it
 T = TypeVar("T")
 
@@ -249,9 +250,13 @@ class FimPrompt:
 
 
 def lines_start(lines: Sequence[str], held: str) -> int | None:
-    """The first of `lines` from which they begin with the text `held` (None: nowhere, or `held` is empty)."""
-    return next((i for i, line in enumerate(lines) if held and held.startswith(line) and
-                 "".join(lines[i:]).startswith(held)), None)
+    """The first of `lines` from which they begin as the text `held` does, its first HELD_LINES lines (None: nowhere,
+    or `held` is empty). Not all of it: an editor's speculative request puts the suggestion's lines before the
+    cursor, and the next request takes them out again; what follows the lines that match is priced token by token."""
+    first = held.splitlines(keepends=True)[:HELD_LINES]
+    start = "".join(first)
+    return next((i for i, line in enumerate(lines) if start and start.startswith(line) and
+                 "".join(lines[i:i + len(first)]) == start), None)
 
 
 def accepted(infill: Infill, suggestion: str) -> Infill | None:

@@ -285,9 +285,9 @@ def test_a_cut_context_is_built_aside_afresh_and_the_next_line_starts_there(serv
         return sum(float(line.split()[-1]) for line in text.splitlines()
                    if line.startswith('edgespec_aside_builds_total{outcome="done"}'))
 
-    done = builds_done()
     first = httpx.post(server.url + "/infill", json=at(121), timeout=300).json()
     assert first["truncated"] is True
+    done = builds_done()  # earlier tests' builds ended when this request preempted them; its own takes a while
     for _ in range(600):  # the build runs once the answer is out; nothing else is sent meanwhile
         if builds_done() > done:
             break

@@ -39,7 +39,8 @@ class RemoteTarget(Model):
 
     def __init__(self, path: str | Path, cfg: LoadConfig, endpoints: Sequence[str], layers: Sequence[int]) -> None:
         super().__init__(path, replace(cfg, n_gpu_layers=0), facts_only=True)  # vocabulary, facts, tokenizer
-        self.cfg, self.endpoints, self.layers = cfg, tuple(endpoints), tuple(layers)
+        # the child keeps no aside sequence: this process has none of its sequences to give a slot
+        self.cfg, self.endpoints, self.layers = replace(cfg, aside=0), tuple(endpoints), tuple(layers)
         self._pieces: dict[int, bytes] = {}
         self._child: _Child | None = None
         self.device_key = "rpc:" + ",".join(f"{e}={n}" for e, n in zip(self.endpoints, self.layers))

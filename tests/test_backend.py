@@ -10,7 +10,7 @@ from edgespec import gguf
 from edgespec.backend import Model, amx_build
 from edgespec.config import LoadConfig
 from edgespec.decoding import reuse
-from edgespec.decoding.loop import to_evaluate
+from edgespec.decoding.loop import planned
 from edgespec.engine.slots import Slot, SlotPool
 from edgespec.errors import ContextOverflowError, InvalidModelError, ModelNotFoundError
 
@@ -328,9 +328,9 @@ def test_a_slot_takes_the_aside_whole_only_where_it_leaves_less_to_evaluate(smol
         slot.cache.evaluate(moved, runs)
         assert pool.aside.pos_max() == len(text) - 1 and pool.aside.tokens == text
         held = slot.cache
-        pool.adopt(slot, lambda c: to_evaluate(c, moved + typed))  # the slot holds that one: it stays
+        pool.adopt(slot, lambda c: planned(c, moved + typed).new)  # the slot holds that one: it stays
         assert slot.cache is held
-        pool.adopt(slot, lambda c: to_evaluate(c, text + typed))
+        pool.adopt(slot, lambda c: planned(c, text + typed).new)
         assert slot.cache is not held and slot.cache.tokens == text and slot.index == 0
         assert pool.aside is held and held.tokens == [] and held.pos_max() == -1
         rows = np.array(slot.cache.decode(typed, 1)[0])

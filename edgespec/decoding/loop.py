@@ -213,15 +213,16 @@ def prefill(target: Target, prompt: Sequence[int], stats: Stats, reuse: bool = T
     if reuse and (row := target.prompt_row(prompt)) is not None:
         stats.cached_prompt_tokens, stats.shifted_prompt_tokens = len(prompt), 0
         return row
-    kept = chunks.plan(target.tokens if reuse else (), prompt, min_chunk if target.can_shift else 0, anchor)
+    kept = planned(target, prompt, min_chunk, anchor) if reuse else chunks.plan((), prompt)
     stats.cached_prompt_tokens = kept.reused
     stats.shifted_prompt_tokens = kept.moved
     return target.evaluate(prompt, [(r.start, r.source, r.length) for r in kept.runs], 1, stop, step)
 
 
-def to_evaluate(target: Target, prompt: Sequence[int], min_chunk: int = 0, anchor: int | None = None) -> int:
-    """How many prompt tokens `prefill` would evaluate in `target`, its cache reused."""
-    return chunks.plan(target.tokens, prompt, min_chunk if target.can_shift else 0, anchor).new
+def planned(target: Target, prompt: Sequence[int], min_chunk: int = 0, anchor: int | None = None) -> chunks.Reuse:
+    """What of `target`'s cache `prefill` keeps for `prompt`: the common prefix, and with `min_chunk` > 0 where the
+    cache can shift, the runs that only moved (decoding.reuse.plan); its `new` tokens are the ones evaluated."""
+    return chunks.plan(target.tokens, prompt, min_chunk if target.can_shift else 0, anchor)
 
 
 def cycle(target: Target, proposer: Proposer | None, committed: list[int], k: int, sc: SamplingConfig,

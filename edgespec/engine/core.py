@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Sequence
 from edgespec.backend import Grammar, Model, open_facts
 from edgespec.config import DEFAULT_MODEL, EngineConfig, GenerationConfig, LoadConfig
 from edgespec.decoding.costs import CostTracker, PromptRate, calibrate
-from edgespec.decoding.loop import Stats, to_evaluate
+from edgespec.decoding.loop import Stats, planned
 from edgespec.decoding.policy import DRAFT_P_MIN, Costs, draft_can_pay, draft_cannot_pay
 from edgespec.decoding.rules import Rules
 from edgespec.engine import generation
@@ -274,7 +274,7 @@ class Engine:
                     yield Chunk("", [], [], "cancelled", Stats(prompt_tokens=len(prompt_tokens)))
                     return
                 if config.reuse_prefix and self.pool.aside is not None and self.pool.aside.tokens:
-                    self.pool.adopt(slot, lambda c: to_evaluate(c, prompt_tokens, config.cache_reuse, anchor))
+                    self.pool.adopt(slot, lambda c: planned(c, prompt_tokens, config.cache_reuse, anchor).new)
                 for chunk in generation.remembered(slot, prompt_tokens, memory,
                                                    generation.chunks(slot, prompt_tokens, run)):
                     # a prefill in the context's batches (a background one runs in small batches, at another rate)

@@ -23,6 +23,7 @@ from typing import Callable, Iterator, Sequence
 from edgespec.backend import KVSequence, Model
 from edgespec.decoding import reuse
 from edgespec.decoding.costs import PromptRate
+from edgespec.decoding.loop import planned
 from edgespec.engine.slots import Slot
 from edgespec.prompts.fim import Fitted, FimPrompt, Infill, Kept, cursor_anchor, lines_start
 
@@ -67,7 +68,7 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
 
     def kept_of(s: Slot, tokens: list[int]) -> reuse.Reuse:  # as the generation will keep it (Engine.stream)
         anchor = cursor_anchor(tokens, m.vocab, m.token_bytes) if cache_reuse else None
-        return reuse.plan(list(s.cache.tokens), tokens, cache_reuse if s.cache.can_shift else 0, anchor)
+        return planned(s.cache, tokens, cache_reuse, anchor)
 
     def new_tokens(s: Slot, tokens: list[int]) -> int:
         return kept_of(s, tokens).new

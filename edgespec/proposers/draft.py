@@ -14,8 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
-from edgespec.decoding import reuse as chunks
 from edgespec.decoding import sampling
+from edgespec.decoding.loop import planned
 from edgespec.backend import KVSequence, Model
 from edgespec.config import SamplingConfig
 from edgespec.errors import IncompatibleDraftError
@@ -78,10 +78,7 @@ class DraftProposer:
     def lag(self, context: Sequence[int]) -> int:
         """Tokens the draft must decode before its first proposal: the last committed one, and
         everything committed while it was not used (all of the prompt the first time)."""
-        m = self.cache
-        if not (self.cache_reuse and m.can_shift):
-            return len(context) - m.shared_prefix(context)
-        return chunks.plan(m.tokens, context, self.cache_reuse, self.reuse_anchor).new
+        return planned(self.cache, context, self.cache_reuse, self.reuse_anchor).new
 
     def begin(self, prompt: Sequence[int], cfg: SamplingConfig, rng: np.random.Generator) -> None:
         self._cfg, self._rng = cfg, rng  # the prompt itself is decoded lazily by the first propose
@@ -95,7 +92,7 @@ class DraftProposer:
             return Proposal()
         # What the draft lacks: the last token, and all that was committed while it was not used (with the
         # generation's cache reuse, as the target's own cache).
-        kept = chunks.plan(m.tokens, context, self.cache_reuse if m.can_shift else 0, self.reuse_anchor)
+        kept = planned(m, context, self.cache_reuse, self.reuse_anchor)
         lag = len(context) - kept.reused
         t0 = time.perf_counter()
         logits = m.evaluate(context, [(r.start, r.source, r.length) for r in kept.runs])[-1]

@@ -270,30 +270,46 @@ def test_a_warm_request_takes_what_its_slot_serves_in_place_unless_a_move_buys_e
         assert wider.kept.prefix_tokens[0] > first.kept.prefix_tokens[0], (first.kept, wider.kept)
 
 
+def body_line(y: int) -> dict:
+    """A budgeted completion typed at SOURCE's line `y` (a body line), after its indent."""
+    lines = "".join(SOURCE).splitlines(keepends=True)
+    return {"input_prefix": "".join(lines[:y]), "input_suffix": "\n" + "".join(lines[y + 1:y + 20]),
+            "prompt": "    ", "n_predict": 4, "temperature": 0, "t_max_prompt_ms": 300, "t_max_predict_ms": 250}
+
+
+def builds_done(server) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=60).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith('edgespec_aside_builds_total{outcome="done"}'))
+
+
 def test_a_cut_context_is_built_aside_afresh_and_the_next_line_starts_there(server):
     """After a budgeted /infill cut its context, the lines before the cursor line are evaluated afresh beside the
     slot while nobody waits (counted in edgespec_aside_builds). The request on the next line starts its prompt where
     those lines do: a prefix wider than its budget buys, for only the tokens the aside does not hold."""
-    lines = "".join(SOURCE).splitlines(keepends=True)
-
-    def at(y: int) -> dict:
-        return {"input_prefix": "".join(lines[:y]), "input_suffix": "\n" + "".join(lines[y + 1:y + 20]),
-                "prompt": "    ", "n_predict": 4, "temperature": 0, "t_max_prompt_ms": 300, "t_max_predict_ms": 250}
-
-    def builds_done() -> float:
-        text = httpx.get(server.url + "/metrics", timeout=60).text
-        return sum(float(line.split()[-1]) for line in text.splitlines()
-                   if line.startswith('edgespec_aside_builds_total{outcome="done"}'))
-
-    first = httpx.post(server.url + "/infill", json=at(121), timeout=300).json()
+    first = httpx.post(server.url + "/infill", json=body_line(121), timeout=300).json()
     assert first["truncated"] is True
-    done = builds_done()  # earlier tests' builds ended when this request preempted them; its own takes a while
+    done = builds_done(server)  # earlier tests' builds ended when this request preempted them; its own takes a while
     for _ in range(600):  # the build runs once the answer is out; nothing else is sent meanwhile
-        if builds_done() > done:
+        if builds_done(server) > done:
             break
         time.sleep(0.1)
-    assert builds_done() > done
-    nxt = httpx.post(server.url + "/infill", json=at(123), timeout=300).json()  # the next function's body line
+    assert builds_done(server) > done
+    nxt = httpx.post(server.url + "/infill", json=body_line(123), timeout=300).json()  # the next function's body line
     kept, cut = nxt["infill"]["prefix_tokens"][0], first["infill"]["prefix_tokens"][0]
     assert kept > max(cut, nxt["infill"]["budget_tokens"]), (first["infill"], nxt["infill"])
     assert nxt["tokens_cached"] > cut and nxt["timings"]["prompt_n"] < kept - cut, nxt["timings"]
+
+
+def test_an_editors_warm_up_finishes_the_aside_build_before_its_own_chunks(server):
+    """llama.vim's ring warm-up comes in the pause after an answer and preempts the aside build the answer started;
+    it runs that build to its end first, then evaluates its own chunks (which budgeted completions rarely carry)."""
+    first = httpx.post(server.url + "/infill", json=body_line(41), timeout=300).json()  # lines no other test walks
+    assert first["truncated"] is True
+    done = builds_done(server)
+    ring = [{"filename": "m.py", "text": "".join(SOURCE[:10])}]
+    warm = {"input_prefix": "", "input_suffix": "", "input_extra": ring, "prompt": "", "n_predict": 0,
+            "samplers": [], "t_max_prompt_ms": 1, "t_max_predict_ms": 1}
+    out = httpx.post(server.url + "/infill", json=warm, timeout=300).json()
+    assert builds_done(server) > done  # done by the time the warm-up answers, not left stopped by it
+    assert out["timings"]["prompt_n"] > 0, out["timings"]

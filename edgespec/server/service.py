@@ -50,6 +50,9 @@ class Service:
         # Prompt evaluations nobody waits on (an editor's warm-up, widening a cut context): each request preempts
         # them. Their cancel events, and the jobs that end when they have given the engine back.
         self.background: dict[threading.Event, asyncio.Future] = {}
+        # The last aside build an /infill answer asked for (Engine.build_aside), until one finishes it: an editor's
+        # warm-up runs it before its own chunks, which a budgeted completion rarely carries.
+        self.aside_build: Callable[[threading.Event], bool] | None = None
 
     def load(self) -> None:
         try:
@@ -154,6 +157,8 @@ class Service:
         each of `prompts` there (each the one before it with more context: what was evaluated stays usable)."""
         eng, cancel = self.engine(), threading.Event()
         config = dataclasses.replace(config, max_tokens=0, prompt_batch=BACKGROUND_BATCH, memory=None)
+        if aside is not None:
+            self.aside_build = aside
 
         def evaluated(each: Callable[[], Iterable[list[int]]]) -> bool:
             for prompt in each():
@@ -164,29 +169,42 @@ class Service:
             return not cancel.is_set()
 
         def work() -> None:
-            if aside is not None:
-                done = aside(cancel)
-                self.metrics.aside_builds.labels("done" if done else "stopped").inc()
-                if not done:
-                    return
+            if aside is not None and not self.build_aside(aside, cancel):
+                return
             if evaluated(now) and prompts is not None and not _quiet_for(delay, cancel):
                 evaluated(prompts)
 
         self._background(cancel, self.submit(work))
 
+    def build_aside(self, build: Callable[[threading.Event], bool] | None, cancel: threading.Event) -> bool:
+        """Run an aside build until done or `cancel` (counted in /metrics); whether it is done."""
+        if build is None:
+            return True
+        done = build(cancel)
+        self.metrics.aside_builds.labels("done" if done else "stopped").inc()
+        if done and self.aside_build is build:
+            self.aside_build = None
+        return done
+
     def _background(self, cancel: threading.Event, job: asyncio.Future) -> None:
         self.background[cancel] = job
         job.add_done_callback(lambda _: self.background.pop(cancel, None))
 
-    async def run(self, request: Request, prompt: list[int], req: schemas.Request, cancel: threading.Event
-                  ) -> list[Chunk]:
+    async def run(self, request: Request, prompt: list[int], req: schemas.Request, cancel: threading.Event,
+                  aside_first: bool = False) -> list[Chunk]:
         """Generate without streaming, cancelling if the client disconnects meanwhile. A warm-up (n_predict 0)
-        runs as background work: in small batches, preempted by the next request."""
+        runs as background work: in small batches, preempted by the next request; with `aside_first`, after the
+        aside build the last /infill answer asked for, if it is not done."""
         eng = self.engine()
         self.active.add(cancel)
         try:
-            config = _as_background(req.config)
-            job = self.submit(lambda: list(eng.stream(prompt, config, req.stop, cancel)))
+            config, build = _as_background(req.config), self.aside_build if aside_first else None
+
+            def generate() -> list[Chunk]:
+                self.build_aside(build, cancel)
+                return list(eng.stream(prompt, config, req.stop, cancel))
+
+            job = self.submit(generate)
             if req.config.max_tokens == 0:
                 self._background(cancel, job)
             while not job.done():

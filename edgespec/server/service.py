@@ -193,19 +193,20 @@ class Service:
     async def run(self, request: Request, prompt: list[int], req: schemas.Request, cancel: threading.Event,
                   aside_first: bool = False) -> list[Chunk]:
         """Generate without streaming, cancelling if the client disconnects meanwhile. A warm-up (n_predict 0)
-        runs as background work: in small batches, preempted by the next request; with `aside_first`, after the
-        aside build the last /infill answer asked for, if it is not done."""
+        runs as background work: in small batches, preempted by the next request; with `aside_first` (an editor's
+        warm-up), after the aside build the last /infill answer asked for, if it is not done."""
         eng = self.engine()
         self.active.add(cancel)
         try:
-            config, build = _as_background(req.config), self.aside_build if aside_first else None
+            warm_up = req.config.max_tokens == 0
+            config, build = _as_background(req.config), self.aside_build if aside_first and warm_up else None
 
             def generate() -> list[Chunk]:
                 self.build_aside(build, cancel)
                 return list(eng.stream(prompt, config, req.stop, cancel))
 
             job = self.submit(generate)
-            if req.config.max_tokens == 0:
+            if warm_up:
                 self._background(cancel, job)
             while not job.done():
                 if await request.is_disconnected():

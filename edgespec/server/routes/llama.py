@@ -137,8 +137,7 @@ class LlamaRoutes:
                     if results and not _room_for_another(chunks[-1], later.config.deadline, need):
                         chunks = [_skipped(chunks[-1], len(prompt))]
                     else:
-                        chunks = await self.svc.run(request, prompt, later, cancel,
-                                                    aside_first=infill and req.config.max_tokens == 0)
+                        chunks = await self.svc.run(request, prompt, later, cancel, aside_first=infill)
                     answers.append(chunks)
                     final = _llama_final("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
                                          chunks[-1], model, req) | (report or {}) | {"index": i}

@@ -50,7 +50,7 @@ class Service:
         # Prompt evaluations nobody waits on (an editor's warm-up, widening a cut context): each request preempts
         # them. Their cancel events, and the jobs that end when they have given the engine back.
         self.background: dict[threading.Event, asyncio.Future] = {}
-        # The last aside build an /infill answer asked for (Engine.build_aside), until one finishes it: an editor's
+        # The aside build the last budgeted /infill answer asked for (Engine.build_aside), None once done: an editor's
         # warm-up runs it before its own chunks, which a budgeted completion rarely carries.
         self.aside_build: Callable[[threading.Event], bool] | None = None
 
@@ -157,8 +157,7 @@ class Service:
         each of `prompts` there (each the one before it with more context: what was evaluated stays usable)."""
         eng, cancel = self.engine(), threading.Event()
         config = dataclasses.replace(config, max_tokens=0, prompt_batch=BACKGROUND_BATCH, memory=None)
-        if aside is not None:
-            self.aside_build = aside
+        self.aside_build = aside  # the last answer's: a build an earlier one asked for may be stale
 
         def evaluated(each: Callable[[], Iterable[list[int]]]) -> bool:
             for prompt in each():

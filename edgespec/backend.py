@@ -119,12 +119,12 @@ def supports_rpc() -> bool:
     return bool(llama_cpp.llama_supports_rpc())
 
 
-def _context_params(cfg: LoadConfig, parks: int) -> llama_cpp.llama_context_params:
+def _context_params(cfg: LoadConfig, parks: int, aside: int) -> llama_cpp.llama_context_params:
     cparams = llama_cpp.llama_context_default_params()
-    cparams.n_ctx = (cfg.n_ctx or DEFAULT_N_CTX) * cfg.n_seq + (cfg.aside if parks else 0)
+    cparams.n_ctx = (cfg.n_ctx or DEFAULT_N_CTX) * cfg.n_seq + aside
     # One buffer for every sequence (llama-server's default too): a chunk moves to a park sequence and back by
     # changing which sequences its cells belong to, with no copy.
-    cparams.n_seq_max = cfg.n_seq + parks + (1 if parks and cfg.aside else 0)
+    cparams.n_seq_max = cfg.n_seq + parks + (1 if aside else 0)
     cparams.n_batch = cparams.n_ubatch = max(cfg.n_batch, cparams.n_seq_max)  # else llama.cpp aborts (n_outputs_max)
     cparams.kv_unified = True
     cparams.n_threads = cparams.n_threads_batch = cfg.n_threads
@@ -170,12 +170,13 @@ class Model(FirstSequence):
             # (llama.cpp sizes it by the sequences), so those models reuse a prefix only.
             windowed = self.facts.recurrent or llama_cpp.llama_model_n_swa(self._model) > 0
             self._parks = [] if windowed else list(range(cfg.n_seq, cfg.n_seq + PARKS))
-            cparams = _context_params(cfg, len(self._parks))
+            aside = cfg.aside if self._parks else 0  # a slot takes the aside by exchange, which needs parks
+            cparams = _context_params(cfg, len(self._parks), aside)
             self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
             if not self._ctx:
                 raise EdgespecError(f"llama.cpp could not create a context of {cparams.n_ctx} tokens for {path} "
                                     f"({_first_error()}); try a smaller context (--ctx)")
-            self.n_ctx = (int(llama_cpp.llama_n_ctx(self._ctx)) - cfg.aside * bool(self._parks)) // cfg.n_seq
+            self.n_ctx = (int(llama_cpp.llama_n_ctx(self._ctx)) - aside) // cfg.n_seq
             self.n_batch = int(llama_cpp.llama_n_batch(self._ctx))
             self._mem = llama_cpp.llama_get_memory(self._ctx)
             self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
@@ -197,7 +198,7 @@ class Model(FirstSequence):
         # Chunk reuse moves cached entries to new positions (a K-shift); sliding-window caches and M-RoPE cannot.
         self.can_shift = bool(self._parks) and bool(llama_cpp.llama_memory_can_shift(self._mem))
         self.sequences = [KVSequence(self, i) for i in range(cfg.n_seq)]
-        self.aside = KVSequence(self, cfg.n_seq + PARKS) if self._parks and cfg.aside else None
+        self.aside = KVSequence(self, cfg.n_seq + PARKS) if aside else None
         self._pieces: dict[int, bytes] = {}
 
     # -- decoding: sequence 0 (FirstSequence), and its last position ---------------

@@ -123,7 +123,7 @@ def _from_aside(fim: FimPrompt, infill: Infill, room: int, aside: KVSequence, li
     held = infill.prefix.splitlines(keepends=True)
     if (at := lines_start(held, lines)) is None:
         return None
-    cost = lambda t: reuse.plan(aside.tokens, t).new  # noqa: E731 - the aside is reused as a prefix only
+    cost = lambda t: planned(aside, t).new  # noqa: E731 - the aside is priced as a prefix only
     wide = fim.fit(infill, room, max(budget, 1), cost, starts=(len(held) - at,))
     if wide.kept.prefix_tokens[0] <= fitted.kept.prefix_tokens[0] or (n := cost(wide.tokens)) > max(budget, new):
         return None

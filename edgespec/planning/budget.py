@@ -217,7 +217,7 @@ def _check_target_fits(target: ModelMemory, mem: _Memory, gpu: bool) -> None:
     if any(mem.fits([(target, g)], MIN_CTX) for g in (range(target.units + 1) if gpu else [0])):
         return
     need = mem.usage(target, 0, MIN_CTX)[1]
-    kv = target.kv_bytes_per_token(mem.kv_type) * (mem.n_seq * MIN_CTX + mem.aside)
+    kv = mem.kv_bytes(target, MIN_CTX)
     b = mem.budget
     usable = int(b.ram_bytes * HEADROOM) + (int(b.gpu_bytes * HEADROOM) if gpu and not b.unified else 0)
     raise OutOfMemoryError(
@@ -253,10 +253,14 @@ class _Memory:
     n_seq: int
     aside: int = 0  # cells of the target's aside sequence (LoadConfig.aside); counted for a draft too, which has none
 
+    def kv_bytes(self, m: ModelMemory, ctx: int) -> int:
+        """`m`'s KV cache: `ctx` cells for each slot, and the aside's."""
+        return m.kv_bytes_per_token(self.kv_type) * (self.n_seq * ctx + self.aside)
+
     def usage(self, m: ModelMemory, layers: int, ctx: int) -> tuple[int, int]:
         """(GPU bytes, host bytes): llama.cpp keeps an offloaded layer's KV beside it, logits on the host."""
         on_gpu = m.gpu_weight_bytes(layers)
-        kv = m.kv_bytes_per_token(self.kv_type) * (self.n_seq * ctx + self.aside)
+        kv = self.kv_bytes(m, ctx)
         kv_gpu = kv * min(layers, m.n_layer) // m.n_layer
         compute = m.compute_bytes(self.n_ubatch)
         gpu = on_gpu + kv_gpu + (compute if layers else 0)
@@ -285,7 +289,7 @@ class _Memory:
 
     def items(self, m: ModelMemory, layers: int, ctx: int) -> list[tuple[str, int]]:
         seqs = (f" x {self.n_seq} slots" if self.n_seq > 1 else "") + (f" + {self.aside} aside" if self.aside else "")
-        kv = m.kv_bytes_per_token(self.kv_type) * (ctx * self.n_seq + self.aside)
+        kv = self.kv_bytes(m, ctx)
         kv_item = (f"{m.name} KV cache ({ctx} tokens{seqs}, {self.kv_type})", kv)
         tail = [(f"{m.name} compute buffers", m.compute_bytes(self.n_ubatch)),
                 (f"{m.name} logits ({self.rows} rows)", m.logits_bytes(self.rows))]

@@ -168,7 +168,7 @@ class Service:
             return not cancel.is_set()
 
         def work() -> None:
-            if aside is not None and not self.build_aside(aside, cancel):
+            if not self.build_aside(aside, cancel):
                 return
             if evaluated(now) and prompts is not None and not _quiet_for(delay, cancel):
                 evaluated(prompts)

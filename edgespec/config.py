@@ -58,8 +58,10 @@ ANSWER_SLACK = 0.8
 # types, the next request comes sooner and would pay for the widening's batch in flight and its moved cache.
 WIDEN_DELAY = 2.0
 # Tokens per batch of an evaluation nobody waits on (a warm-up): the next request aborts the batch in flight
-# (backend.Model.abort) and loses it, so not the context's whole batch; larger ones cost less per token.
+# (backend.Model.abort) and loses it, so not the context's whole batch; larger ones cost less per token. An aside
+# build sizes each batch to the pauses seen, this at most (decoding.costs.pause_batch).
 BACKGROUND_BATCH = 64
+PAUSES_KEPT = 16  # the last pauses between answers and requests that background batches are sized to (server.service)
 # Cells `edgespec serve` sets apart for the aside sequence (LoadConfig.aside): a cut /infill context is built wider
 # there, afresh, while nobody waits, and the editor's slot takes it whole when it is ready (engine.infill).
 ASIDE_TOKENS = 1024

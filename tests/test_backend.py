@@ -321,7 +321,7 @@ def test_a_slot_takes_the_aside_whole_only_where_it_leaves_less_to_evaluate(smol
                           add_special=False)
         typed = m.tokenize("\ndef volume(", add_special=False)
         slot.cache.evaluate(text)
-        assert pool.build_aside(text, lambda: False, 8) and pool.aside.tokens == text
+        assert pool.build_aside(text, lambda: False, lambda left: min(left, 8)) and pool.aside.tokens == text
         moved = [*text[:10], *m.tokenize(" # a line put in\n", add_special=False), *text[10:]]
         runs = [(r.start, r.source, r.length) for r in reuse.plan(slot.cache.tokens, moved, 16).runs]
         assert len(runs) == 2 and runs[1][0] > runs[1][1]  # the slot moves its cells after the first 10

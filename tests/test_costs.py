@@ -2,7 +2,7 @@
 
 import pytest
 
-from edgespec.decoding.costs import AcceptanceTracker, CostTracker, PromptRate
+from edgespec.decoding.costs import PAUSE_BATCH_STEP, AcceptanceTracker, CostTracker, PromptRate, pause_batch
 from edgespec.decoding.policy import Costs
 
 # ../shared/FACTS.md: time of a batch of B tokens over a single-token pass, 2-core CPU.
@@ -132,3 +132,18 @@ def test_a_prefill_that_moved_chunks_teaches_the_shift_not_the_scale():
     assert rate.tokens_within(0.5, shifted=True) == 1 and rate.tokens_within(0.5) == 9
     rate.observe(0, 0.2, shifted=True)  # a shift alone, cheaper this time: the estimate follows
     assert 0.2 < rate.shift < 0.4 and rate.scale == 1.0
+
+
+def test_background_batches_are_sized_to_end_within_the_pauses_seen():
+    rate = PromptRate((1, 16, 64), (0.1, 0.19, 0.6))  # the 1.5B target's curve on 2 cores, about
+    editor = [0.01, 1.0] * 8  # an answer's own follow-up request at once, then the user's pause of a second
+    first = pause_batch(0.0, editor, rate.seconds, 320, 64)
+    assert first == 64  # half the pauses outlast a full batch: none a larger one
+    second = pause_batch(0.6, editor, rate.seconds, 320 - first, 64)
+    assert 16 <= second < 64 and 0.6 + rate.seconds(second) <= 1.0  # the rest of the pause, not a batch it cuts
+    assert pause_batch(0.6, [0.01, 10.0] * 8, rate.seconds, 256, 64) == 64  # long pauses: the cheapest per token
+    assert pause_batch(0.6, [], rate.seconds, 256, 64) == 64  # nothing seen yet
+    assert pause_batch(2.0, editor, rate.seconds, 256, 64) == 64  # past every pause seen: as long as it lasts
+    assert pause_batch(0.0, editor, rate.seconds, 20, 64) == 20  # what is left, though not a multiple of the step
+    assert pause_batch(0.95, editor, rate.seconds, 256, 64) == 64  # none fits what is left: as if it will last
+    assert all(pause_batch(t / 10, editor, rate.seconds, 300, 64) % PAUSE_BATCH_STEP == 0 for t in range(12))

@@ -227,7 +227,7 @@ def test_a_request_cancels_background_work_registered_while_it_waited_to_preempt
     from edgespec.server.service import Service
 
     async def scenario() -> bool:
-        svc = types.SimpleNamespace(background={}, loaded=None)
+        svc = types.SimpleNamespace(background={}, loaded=None, idle_since=None)
 
         def background(cancel: threading.Event, then=None) -> None:
             async def job() -> None:

@@ -33,6 +33,10 @@ COST_DECAY = 0.8  # weight of the past per observed pass: costs follow the conte
 # one dear pass (a deep context, a busy spell) does not keep the larger sizes untried for good.
 COST_STALE_DECAY = 0.98
 CACHE_VERSION = 8  # 8: an AMX build repacks its weights by name (backend.repack_without_amx), so its curve changed
+# Background batch sizes a pause is planned in (pause_batch), and the slack on a batch's predicted time: its cost
+# varies between runs, and a batch that overruns the pause is lost.
+PAUSE_BATCH_STEP = 8
+PAUSE_MARGIN = 1.15
 TimingProgress = Callable[[str, int, int], None]  # (model file name, passes timed, passes in all)
 
 
@@ -138,6 +142,25 @@ class PromptRate:
         left = seconds - self.seconds(n)
         # within one batch the curve is not monotonic (kernels switch with the size): the largest size that fits
         return n + max((k for k in range(self.batches[-1]) if self.seconds(k) <= left + 1e-9), default=0)
+
+
+def pause_batch(elapsed: float, pauses: Sequence[float], seconds: Callable[[int], float], left: int,
+                largest: int) -> int:
+    """Tokens for the next batch of work nobody waits on, `elapsed` seconds into a pause: of up to `largest` (and
+    `left` to do), the size expected to evaluate the most before the next request, by the `pauses` seen lately that
+    outlast this one so far. The request aborts a batch in flight and loses it whole, and an editor's pauses are
+    alike, so a fixed size would lose the end of every pause. `largest` where no pause seen lasted this long."""
+    longer = [p for p in pauses if p > elapsed]
+    top = max(min(largest, left), 1)
+    if not longer:
+        return top
+    sizes = sorted({*range(PAUSE_BATCH_STEP, top, PAUSE_BATCH_STEP), top})
+
+    def expected(n: int) -> float:
+        ends = elapsed + PAUSE_MARGIN * seconds(n)
+        return n * sum(p >= ends for p in longer)
+
+    return max(sizes, key=lambda n: (expected(n), n))
 
 
 def _interpolate(xs: Sequence[int], ys: Sequence[float], x: int) -> float:

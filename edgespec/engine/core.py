@@ -221,10 +221,11 @@ class Engine:
         return infill_prompt(self.target, self.slots, self.prompt_rate, infill, max_tokens, budget_seconds, slot,
                              cache_reuse, layout, warm_up, self.pool.aside, self.pool.aside_lines)
 
-    def build_aside(self, tokens: Sequence[int], lines: str, cancel: threading.Event, step: int) -> bool:
+    def build_aside(self, tokens: Sequence[int], lines: str, cancel: threading.Event,
+                    step: Callable[[int], int]) -> bool:
         """Evaluate `tokens` into the aside sequence while nobody waits, from what it holds of them, in batches of
-        `step` until `cancel` (engine.slots); `lines` says what they hold (engine.infill). Whether all of them are
-        evaluated."""
+        `step(left)` tokens until `cancel` (engine.slots); `lines` says what they hold (engine.infill). Whether all
+        of them are evaluated."""
         self.pool.aside_lines = lines
         return self.pool.build_aside(tokens, cancel.is_set, step)
 

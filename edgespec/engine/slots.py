@@ -106,17 +106,19 @@ class SlotPool:
             slot.busy = True
             return slot
 
-    def build_aside(self, tokens: Sequence[int], stop: Callable[[], bool], step: int) -> bool:
-        """Make the aside hold `tokens`: what it holds of them is kept, the rest evaluated in batches of `step` until
-        `stop`. Whether it holds them all. It shares no cell with a slot: a slot that moves a cell (chunk reuse)
-        moves it in every sequence that holds it."""
+    def build_aside(self, tokens: Sequence[int], stop: Callable[[], bool], step: Callable[[int], int]) -> bool:
+        """Make the aside hold `tokens`: what it holds of them is kept, the rest evaluated in batches of `step(left)`
+        tokens until `stop`. Whether it holds them all. It shares no cell with a slot: a slot that moves a cell
+        (chunk reuse) moves it in every sequence that holds it."""
         aside = self.aside
         assert aside is not None
         with self._turn:
-            if aside.tokens == list(tokens):
-                return True
             aside.keep_prefix_of(tokens)
-            return aside.decode(tokens[aside.n_past:], 0, stop, step) is not None
+            while aside.n_past < len(tokens):
+                n = step(len(tokens) - aside.n_past)
+                if aside.decode(tokens[aside.n_past:aside.n_past + n], 0, stop, n) is None:
+                    return False
+            return True
 
     def adopt(self, slot: Slot, new_tokens: Callable[[KVSequence], int]) -> None:
         """Give `slot` the aside where its prompt has fewer `new_tokens` to evaluate there; the slot's old sequence,

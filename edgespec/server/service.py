@@ -7,12 +7,14 @@ arrival order) and build their generation settings from the request with the hel
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
 import logging
 import math
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable
 
@@ -20,7 +22,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 
 from edgespec import errors
-from edgespec.config import BACKGROUND_BATCH, INFILL_CACHE_REUSE, QUIET_TICK_SECONDS, GenerationConfig
+from edgespec.config import BACKGROUND_BATCH, INFILL_CACHE_REUSE, PAUSES_KEPT, QUIET_TICK_SECONDS, GenerationConfig
+from edgespec.decoding import costs
 from edgespec.server import metrics, schemas
 from edgespec.server.http import MAX_DRAIN_BYTES, Settings, TooLarge, Unavailable
 
@@ -53,6 +56,10 @@ class Service:
         # The aside build the last budgeted /infill answer asked for (Engine.build_aside), None once done: an editor's
         # warm-up runs it before its own chunks, which a budgeted completion rarely carries.
         self.aside_build: Callable[[threading.Event], bool] | None = None
+        # When the last answer someone waited on ended (None while one is awaited), and the pauses from such an
+        # answer to the next awaited request: background batches are sized to end within them (pause_batch).
+        self.idle_since: float | None = None
+        self.pauses: collections.deque[float] = collections.deque(maxlen=PAUSES_KEPT)
 
     def load(self) -> None:
         try:
@@ -137,9 +144,13 @@ class Service:
             return self.settings.cache_reuse
         return INFILL_CACHE_REUSE if route == schemas.INFILL else 0
 
-    async def preempt(self) -> None:
+    async def preempt(self, awaited: bool = True) -> None:
         """Stop the background evaluations and wait for them to give the engine back (their batch in flight is
-        aborted; what they evaluated before it stays in the cache, for this request to reuse)."""
+        aborted; what they evaluated before it stays in the cache, for this request to reuse). An `awaited` request
+        (not an editor's warm-up) ends the pause since the last answer."""
+        if awaited and self.idle_since is not None:
+            self.pauses.append(time.perf_counter() - self.idle_since)
+            self.idle_since = None
         # Until none is left: a warm-up whose handler was waiting on the same job may register meanwhile, and
         # this request would then queue behind all of its evaluation.
         while jobs := list(self.background.items()):
@@ -175,6 +186,11 @@ class Service:
 
         self._background(cancel, self.submit(work))
 
+    def background_batch(self, left: int) -> int:
+        """Tokens for the next batch of an aside build, `left` to evaluate: sized to end within this pause."""
+        elapsed = 0.0 if self.idle_since is None else time.perf_counter() - self.idle_since
+        return costs.pause_batch(elapsed, tuple(self.pauses), self.engine().prompt_rate.seconds, left, BACKGROUND_BATCH)
+
     def build_aside(self, build: Callable[[threading.Event], bool] | None, cancel: threading.Event) -> bool:
         """Run an aside build until done or `cancel` (counted in /metrics); whether it is done."""
         if build is None:
@@ -195,9 +211,9 @@ class Service:
         runs as background work: in small batches, preempted by the next request; with `aside_first` (an editor's
         warm-up), after the aside build the last /infill answer asked for, if it is not done."""
         eng = self.engine()
+        warm_up = req.config.max_tokens == 0
         self.active.add(cancel)
         try:
-            warm_up = req.config.max_tokens == 0
             config, build = _as_background(req.config), self.aside_build if aside_first and warm_up else None
 
             def generate() -> list[Chunk]:
@@ -214,6 +230,8 @@ class Service:
             chunks = job.result()
         finally:
             self.active.discard(cancel)
+            if not warm_up:
+                self.idle_since = time.perf_counter()
         self.count(chunks[-1])
         return chunks
 
@@ -256,6 +274,7 @@ class Service:
             finally:
                 cancel.set()  # normal end: harmless; disconnect: stops the generation within a cycle
                 self.active.discard(cancel)
+                self.idle_since = time.perf_counter()
 
         return gen()
 

@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from edgespec.config import ANSWER_SLACK, BACKGROUND_BATCH, LLAMA_N_PREDICT, LLAMA_TEMPERATURE, WIDEN_DELAY
+from edgespec.config import ANSWER_SLACK, LLAMA_N_PREDICT, LLAMA_TEMPERATURE, WIDEN_DELAY
 from edgespec.errors import InvalidRequestError
 from edgespec.prompts.fim import Continuation, Infill, accepted, continuation
 from edgespec.server import logprobs, schemas
@@ -59,7 +59,7 @@ class LlamaRoutes:
                          self.svc.cache_reuse(schemas.INFILL))
         c = req.config
         budget = schemas.prompt_budget(body) if c.max_tokens != 0 else None  # a warm-up evaluates all it is sent
-        await self.svc.preempt()
+        await self.svc.preempt(awaited=c.max_tokens != 0)
         room = c.max_tokens if c.max_tokens else LLAMA_N_PREDICT  # kept free for the answer
         layout = self.svc.settings.fim_layout
         infill, room = schemas.infill(body), min(room, eng.n_ctx // 2)
@@ -97,7 +97,7 @@ class LlamaRoutes:
                 self.follows[ip.slot] = (cont, ip)
             # the next requests' wider context: built aside, afresh, first; widened in place only without an aside
             build, widen = ip.aside(), wider if eng.pool.aside is None else None
-            aside = None if build is None else lambda cancel: eng.build_aside(*build, cancel, BACKGROUND_BATCH)
+            aside = None if build is None else lambda cancel: eng.build_aside(*build, cancel, self.svc.background_batch)
             self.svc.warm(widen, req.config, WIDEN_DELAY, now=lambda: () if cont else ahead(answer), aside=aside)
 
         return await self.respond(request, ip.tokens, req, "the infill prompt ('input_prefix', 'input_suffix', "

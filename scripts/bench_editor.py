@@ -9,8 +9,9 @@ oldest chunk when full. The bodies are the editors' own (tests/clients/llama_vim
 their default windows (256 lines before the cursor, 64 after).
 
 Both servers get the same requests in the same order; the one not being asked is frozen (SIGSTOP), so neither's
-background work runs in the other's time, and after each answer the server that gave it keeps the machine for the
-user's think time (--think). edgespec starts each run with an empty memory (a new project's first session), so
+background work runs in the other's time, and before each request the server asked keeps the machine for the
+user's think time since its last answer (--think): CPU time alike, and the pause ends by its clock where it would
+for a user. edgespec starts each run with an empty memory (a new project's first session), so
 what it remembers is this run's own answers. Reported per server: median and p90 latency of the requests the user
 waits on, prompt tokens evaluated per request (timings.prompt_n), completions that agree with the file's real next
 text for at least 4 characters (of llama.vscode's 3, the first it shows), and answers slower than t_max_prompt_ms +
@@ -289,8 +290,8 @@ def session(peers: list[Peer], flavour: str, files: list[tuple[Path, int, int]],
                 if lines_done % ring_every == 1 and (chunk := next(chunks, None)) is not None:
                     ring = (ring + [chunk])[-ring_size:]
                     for p in peers:
-                        turn(p, [o for o in peers if o is not p], lambda p=p: (p.post_and_forget(warmup(ring)),
-                                                                               time.sleep(think)))
+                        turn(p, [o for o in peers if o is not p], lambda p=p: (time.sleep(think),
+                                                                               p.post_and_forget(warmup(ring))))
             for p in peers:
                 turn(p, [o for o in peers if o is not p], lambda p=p: _ask_pair(p, c, ring, fim, think))
             print(f"{flavour} {Path(c.path).name}:{c.line + 1}:{c.col}  " + "  ".join(
@@ -298,9 +299,11 @@ def session(peers: list[Peer], flavour: str, files: list[tuple[Path, int, int]],
 
 
 def _ask_pair(p: Peer, c: Cursor, ring: list[dict], fim: Any, think: float) -> None:
-    """The completion at `c`, then the editor's speculative request on the suggestion, sent the moment the suggestion
-    is shown (llama.vim's s:fim_try_hint, llama.vscode's cacheFutureSuggestion in a setTimeout of 0), then the user's
-    think time."""
+    """The user's think time since the last answer, then the completion at `c`, then the editor's speculative
+    request on the suggestion, sent the moment the suggestion is shown (llama.vim's s:fim_try_hint, llama.vscode's
+    cacheFutureSuggestion in a setTimeout of 0). The think time comes last in a peer's pause, after its frozen
+    spell: a server that sizes its background work by the clock then sees the pause end where the user's does."""
+    time.sleep(think)
     where = f"{Path(c.path).name}:{c.line + 1}:{c.col}"
     body = fim(c, ring, False)
     results, seconds = p.ask(body)
@@ -312,7 +315,6 @@ def _ask_pair(p: Peer, c: Cursor, ring: list[dict], fim: Any, think: float) -> N
         body = fim(spec, ring, True)
         results, seconds = p.ask(body)
         p.records.append(_record("speculative", where, kept_completion(spec, results), seconds, body, ""))
-    time.sleep(think)
 
 
 def kept_completion(c: Cursor, results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -105,6 +105,18 @@ def test_a_budget_below_the_nearest_lines_still_sends_them():
     assert f.kept.prefix_tokens[0] >= 2 * NEAR_LINES and f.kept.suffix_tokens[0] > 0 and f.kept.cut
 
 
+def test_long_nearest_lines_raise_the_budget_only_to_near_most():
+    """Lines of prose or generated code: the nearest 8 would cost far more than the budget on a cold cache, so the
+    budget is raised only to `near_most` new tokens, and fewer of them are sent."""
+    long = "".join(f"{i:02d}" + "w" * 98 + "\n" for i in range(20))  # 101 tokens a line
+    fim = FimPrompt(PLAIN, chars)
+    assert fim.fit(Infill(long, "b\n"), room=10_000, max_new=10).kept.prefix_tokens[0] == NEAR_LINES * 101
+    f = fim.fit(Infill(long, "b\n"), room=10_000, max_new=10, near_most=250)
+    assert f.kept.prefix_tokens[0] == 2 * 101 and f.tokens[1:3] == chars("18") and len(f.tokens) <= 250
+    # cheaper than the cap, the nearest lines are all sent
+    assert fim.fit(Infill("a\n" * 20, "b\n"), room=1000, max_new=10, near_most=250).kept.prefix_tokens[0] >= 16
+
+
 def test_a_line_over_the_budget_keeps_everything_cached_around_it():
     """The cursor moved down a line: the line just written is new and costs more than the budget, but dropping it
     would drop all the context the cache holds around it (the budget once fell to no context at all here)."""

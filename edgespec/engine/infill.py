@@ -34,6 +34,9 @@ MOVE_MIN_GAIN = 64
 # Tokens of prefix lines a first aside build takes: ready after a few of an editor's pauses, yet enough wider than
 # what a budget buys to complete better (docs/bench/editor.md).
 ASIDE_FIRST_TOKENS = 320
+# Budgets of evaluation the nearest lines (fim.NEAR_LINES) may take on a cold cache: past it, fewer of them (long
+# lines), so the answer still comes within the second an editor's user is promised past the budgets.
+NEAR_BUDGETS = 2.0
 ASIDE_HEAD = 32  # tokens an aside build leaves of LoadConfig.aside for what precedes the lines (FIM and file tokens)
 WIDEN_LINES_STEP = 4  # of fim.FIT_STEPS: a background step adds 1/64 of the lines a side, done within a pause
 # Texts kept tokenized: a fit tokenizes the prefix, the suffix and the typed text once, and mostly the same ones
@@ -89,18 +92,19 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
     target = slots[chosen]
     fitted, budget = None, rate.tokens_within(budget_seconds) or 0
     plain = budget  # what the budget buys where nothing moves (as in the aside)
+    near = rate.tokens_within(NEAR_BUDGETS * budget_seconds) or 0
     if kept_of(target, widest).moved:  # moving what the slot holds costs a re-rotation before any token's price
         moving = rate.tokens_within(budget_seconds, True) or 0
         if moving <= MOVE_MIN_GAIN:
             in_place = fim.fit(infill, room, max(budget, 1),
-                               lambda t: room + 1 if (k := kept_of(target, t)).moved else k.new)
+                               lambda t: room + 1 if (k := kept_of(target, t)).moved else k.new, near_most=near)
             k = kept_of(target, in_place.tokens)
             fitted = in_place if k.moved == 0 and k.new <= budget else None
         budget = budget if fitted else moving
-    fitted = fitted or fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t))
+    fitted = fitted or fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t), near_most=near)
     new = new_tokens(target, fitted.tokens)
     if aside is not None and aside.tokens and (wide := _from_aside(fim, infill, room, aside, aside_lines, plain,
-                                                                   fitted, new)):
+                                                                   fitted, new, near)):
         fitted, new = wide
     done = fitted.kept.prefix_tokens[0] >= fitted.kept.prefix_tokens[1]
 
@@ -117,14 +121,15 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
 
 
 def _from_aside(fim: FimPrompt, infill: Infill, room: int, aside: KVSequence, lines: str, budget: int,
-                fitted: Fitted, new: int) -> tuple[Fitted, int] | None:
+                fitted: Fitted, new: int, near: int) -> tuple[Fitted, int] | None:
     """The prompt that starts where the aside's lines do, and its new tokens there, where it keeps more of the
-    prefix than `fitted` (the slot's, `new` tokens to evaluate) for no more than the budget or `new`; else None."""
+    prefix than `fitted` (the slot's, `new` tokens to evaluate) for no more than the budget or `new`; else None.
+    `near`: what the nearest lines may cost at most (fim.FimPrompt.fit)."""
     held = infill.prefix.splitlines(keepends=True)
     if (at := lines_start(held, lines)) is None:
         return None
     cost = lambda t: planned(aside, t).new  # noqa: E731 - the aside is priced as a prefix only
-    wide = fim.fit(infill, room, max(budget, 1), cost, starts=(len(held) - at,))
+    wide = fim.fit(infill, room, max(budget, 1), cost, starts=(len(held) - at,), near_most=near)
     if wide.kept.prefix_tokens[0] <= fitted.kept.prefix_tokens[0] or (n := cost(wide.tokens)) > max(budget, new):
         return None
     return wide, n

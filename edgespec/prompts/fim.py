@@ -171,12 +171,14 @@ class FimPrompt:
                             (len(infill.extra) if n_head == len(head) else 0, len(infill.extra)))
 
     def fit(self, infill: Infill, room: int, max_new: int | None = None,
-            new_tokens: Callable[[list[int]], int] = len, starts: Sequence[int] = ()) -> Fitted:
+            new_tokens: Callable[[list[int]], int] = len, starts: Sequence[int] = (),
+            near_most: int | None = None) -> Fitted:
         """The widest prompt of at most `room` tokens of which at most `max_new` are new (`new_tokens` counts them
         against what is cached): whole lines nearest the cursor first, then the latest extra chunks. A budget below
-        the cost of the nearest lines (NEAR_LINES before the cursor) is raised to it: without them a completion is a
-        guess, and what the cache holds around them comes with them for free. `starts`: counts of prefix lines worth
-        trying, where a cache's prompt starts (its cost drops there alone)."""
+        the cost of the nearest lines (NEAR_LINES before the cursor) is raised to it, to `near_most` new tokens at
+        most (long lines: then fewer of them): without them a completion is a guess, and what the cache holds around
+        them comes with them for free. `starts`: counts of prefix lines worth trying, where a cache's prompt starts
+        (its cost drops there alone)."""
         def fits(take: Take, most: int | None) -> tuple[list[int], list[int], list[int]] | None:
             built = self.tokens(infill, take)
             ok = len(built[0]) <= room and (most is None or new_tokens(built[0]) <= most)
@@ -194,7 +196,7 @@ class FimPrompt:
         near = _steps_for(NEAR_LINES, len(infill.prefix.splitlines()))
         if max_new is not None:  # the nearest lines' cost, where they cost least: alone, or with what is cached
             costs = [c for s in {near, *_grid(FIT_STEPS)} if s >= near and (c := lines(s)[1]) is not None]
-            max_new = max(max_new, min(costs, default=max_new))
+            max_new = max(max_new, min(min(costs, default=max_new), math.inf if near_most is None else near_most))
 
         def affordable(step: int) -> tuple[list[int], list[int], list[int]] | None:
             built, cost = lines(step)

@@ -105,9 +105,9 @@ def test_a_budget_below_the_nearest_lines_still_sends_them():
     assert f.kept.prefix_tokens[0] >= 2 * NEAR_LINES and f.kept.suffix_tokens[0] > 0 and f.kept.cut
 
 
-def test_long_nearest_lines_raise_the_budget_only_to_near_most():
-    """Lines of prose or generated code: the nearest 8 would cost far more than the budget on a cold cache, so the
-    budget is raised only to `near_most` new tokens, and fewer of them are sent."""
+def test_long_nearest_lines_are_fewer_within_near_most():
+    """Lines of prose or generated code: the nearest 8 would cost far more than the budget on a cold cache, so only
+    as many of them as make a prompt of `near_most` tokens raise the budget."""
     long = "".join(f"{i:02d}" + "w" * 98 + "\n" for i in range(20))  # 101 tokens a line
     fim = FimPrompt(PLAIN, chars)
     assert fim.fit(Infill(long, "b\n"), room=10_000, max_new=10).kept.prefix_tokens[0] == NEAR_LINES * 101
@@ -115,6 +115,11 @@ def test_long_nearest_lines_raise_the_budget_only_to_near_most():
     assert f.kept.prefix_tokens[0] == 2 * 101 and f.tokens[1:3] == chars("18") and len(f.tokens) <= 250
     # cheaper than the cap, the nearest lines are all sent
     assert fim.fit(Infill("a\n" * 20, "b\n"), room=1000, max_new=10, near_most=250).kept.prefix_tokens[0] >= 16
+    # and the cap changes nothing where they are short, whatever their cost against a cache (here: all of the
+    # wider prompts priced out, as engine.infill prices a prompt that would move cached chunks)
+    infill = Infill("".join(f"p{i:02d}\n" for i in range(40)), "b\n")
+    priced = lambda t: 10_000 if len(t) > 30 else len(t)  # noqa: E731
+    assert fim.fit(infill, 1000, 10, priced, near_most=60) == fim.fit(infill, 1000, 10, priced)
 
 
 def test_a_line_over_the_budget_keeps_everything_cached_around_it():

@@ -175,9 +175,9 @@ class FimPrompt:
             near_most: int | None = None) -> Fitted:
         """The widest prompt of at most `room` tokens of which at most `max_new` are new (`new_tokens` counts them
         against what is cached): whole lines nearest the cursor first, then the latest extra chunks. A budget below
-        the cost of the nearest lines (NEAR_LINES before the cursor) is raised to it, to `near_most` new tokens at
-        most (long lines: then fewer of them): without them a completion is a guess, and what the cache holds around
-        them comes with them for free. `starts`: counts of prefix lines worth trying, where a cache's prompt starts
+        the cost of the nearest lines (NEAR_LINES before the cursor, fewer where that prompt would be longer than
+        `near_most` tokens: long lines) is raised to it: without them a completion is a guess, and what the cache
+        holds around them comes with them for free. `starts`: counts of prefix lines worth trying, where a cache's prompt starts
         (its cost drops there alone)."""
         def fits(take: Take, most: int | None) -> tuple[list[int], list[int], list[int]] | None:
             built = self.tokens(infill, take)
@@ -193,16 +193,19 @@ class FimPrompt:
                 memo[step] = built, new_tokens(built[0]) if len(built[0]) <= room else None
             return memo[step]
 
-        near = _steps_for(NEAR_LINES, len(infill.prefix.splitlines()))
+        n_near, n_lines = NEAR_LINES, len(infill.prefix.splitlines())
+        near = _steps_for(n_near, n_lines)
+        while near_most is not None and near > 0 and len(lines(near)[0][0]) > near_most:  # long lines: fewer
+            n_near -= 1
+            near = _steps_for(n_near, n_lines) if n_near else 0
         if max_new is not None:  # the nearest lines' cost, where they cost least: alone, or with what is cached
             costs = [c for s in {near, *_grid(FIT_STEPS)} if s >= near and (c := lines(s)[1]) is not None]
-            max_new = max(max_new, min(min(costs, default=max_new), math.inf if near_most is None else near_most))
+            max_new = max(max_new, min(costs, default=max_new))
 
         def affordable(step: int) -> tuple[list[int], list[int], list[int]] | None:
             built, cost = lines(step)
             return built if cost is not None and (max_new is None or cost <= max_new) else None
 
-        n_lines = len(infill.prefix.splitlines())
         also = (near, *(_steps_for(k, n_lines) for k in starts)) if max_new is not None else ()
         step, built = _widest(FIT_STEPS, affordable, also)
         if built is None:  # not even the nearest lines fit the room: the typed text alone, over the budget

@@ -115,11 +115,13 @@ def test_long_nearest_lines_are_fewer_within_near_most():
     assert f.kept.prefix_tokens[0] == 2 * 101 and f.tokens[1:3] == chars("18") and len(f.tokens) <= 250
     # cheaper than the cap, the nearest lines are all sent
     assert fim.fit(Infill("a\n" * 20, "b\n"), room=1000, max_new=10, near_most=250).kept.prefix_tokens[0] >= 16
-    # and the cap changes nothing where they are short, whatever their cost against a cache (here: all of the
-    # wider prompts priced out, as engine.infill prices a prompt that would move cached chunks)
+    # and the cap changes nothing where they cost less than it: cached, or short
     infill = Infill("".join(f"p{i:02d}\n" for i in range(40)), "b\n")
-    priced = lambda t: 10_000 if len(t) > 30 else len(t)  # noqa: E731
-    assert fim.fit(infill, 1000, 10, priced, near_most=60) == fim.fit(infill, 1000, 10, priced)
+    assert fim.fit(infill, 1000, 10, near_most=40) == fim.fit(infill, 1000, 10)
+    cached = set(fim.tokens(Infill(long, "b\n"))[0][:-1])
+    held = lambda t: sum(x not in cached for x in t)  # noqa: E731
+    warm = Infill(long, "b\n")
+    assert fim.fit(warm, 10_000, 10, held, near_most=40) == fim.fit(warm, 10_000, 10, held)
 
 
 def test_a_line_over_the_budget_keeps_everything_cached_around_it():

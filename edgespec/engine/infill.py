@@ -97,14 +97,14 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
         moving = rate.tokens_within(budget_seconds, True) or 0
         if moving <= MOVE_MIN_GAIN:
             in_place = fim.fit(infill, room, max(budget, 1),
-                               lambda t: room + 1 if (k := kept_of(target, t)).moved else k.new, near_most=near)
+                               lambda t: room + 1 if (k := kept_of(target, t)).moved else k.new)
             k = kept_of(target, in_place.tokens)
             fitted = in_place if k.moved == 0 and k.new <= budget else None
         budget = budget if fitted else moving
     fitted = fitted or fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t), near_most=near)
     new = new_tokens(target, fitted.tokens)
     if aside is not None and aside.tokens and (wide := _from_aside(fim, infill, room, aside, aside_lines, plain,
-                                                                   fitted, new, near)):
+                                                                   fitted, new)):
         fitted, new = wide
     done = fitted.kept.prefix_tokens[0] >= fitted.kept.prefix_tokens[1]
 
@@ -121,15 +121,14 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
 
 
 def _from_aside(fim: FimPrompt, infill: Infill, room: int, aside: KVSequence, lines: str, budget: int,
-                fitted: Fitted, new: int, near: int) -> tuple[Fitted, int] | None:
+                fitted: Fitted, new: int) -> tuple[Fitted, int] | None:
     """The prompt that starts where the aside's lines do, and its new tokens there, where it keeps more of the
-    prefix than `fitted` (the slot's, `new` tokens to evaluate) for no more than the budget or `new`; else None.
-    `near`: what the nearest lines may cost at most (fim.FimPrompt.fit)."""
+    prefix than `fitted` (the slot's, `new` tokens to evaluate) for no more than the budget or `new`; else None."""
     held = infill.prefix.splitlines(keepends=True)
     if (at := lines_start(held, lines)) is None:
         return None
     cost = lambda t: planned(aside, t).new  # noqa: E731 - the aside is priced as a prefix only
-    wide = fim.fit(infill, room, max(budget, 1), cost, starts=(len(held) - at,), near_most=near)
+    wide = fim.fit(infill, room, max(budget, 1), cost, starts=(len(held) - at,))
     if wide.kept.prefix_tokens[0] <= fitted.kept.prefix_tokens[0] or (n := cost(wide.tokens)) > max(budget, new):
         return None
     return wide, n

@@ -175,10 +175,10 @@ class FimPrompt:
             near_most: int | None = None) -> Fitted:
         """The widest prompt of at most `room` tokens of which at most `max_new` are new (`new_tokens` counts them
         against what is cached): whole lines nearest the cursor first, then the latest extra chunks. A budget below
-        the cost of the nearest lines (NEAR_LINES before the cursor, fewer where that prompt would be longer than
-        `near_most` tokens: long lines) is raised to it: without them a completion is a guess, and what the cache
-        holds around them comes with them for free. `starts`: counts of prefix lines worth trying, where a cache's prompt starts
-        (its cost drops there alone)."""
+        the cost of the nearest lines (NEAR_LINES before the cursor, fewer where they would cost more than
+        `near_most`: long lines) is raised to it: without them a completion is a guess, and what the cache holds
+        around them comes with them for free. `starts`: counts of prefix lines worth trying, where a cache's prompt
+        starts (its cost drops there alone)."""
         def fits(take: Take, most: int | None) -> tuple[list[int], list[int], list[int]] | None:
             built = self.tokens(infill, take)
             ok = len(built[0]) <= room and (most is None or new_tokens(built[0]) <= most)
@@ -195,12 +195,18 @@ class FimPrompt:
 
         n_near, n_lines = NEAR_LINES, len(infill.prefix.splitlines())
         near = _steps_for(n_near, n_lines)
-        while near_most is not None and near > 0 and len(lines(near)[0][0]) > near_most:  # long lines: fewer
-            n_near -= 1
-            near = _steps_for(n_near, n_lines) if n_near else 0
-        if max_new is not None:  # the nearest lines' cost, where they cost least: alone, or with what is cached
+
+        def lowest(near: int) -> int:  # the nearest lines' cost, where they cost least: alone, or with what is cached
             costs = [c for s in {near, *_grid(FIT_STEPS)} if s >= near and (c := lines(s)[1]) is not None]
-            max_new = max(max_new, min(costs, default=max_new))
+            return min(costs, default=max_new or 0)
+
+        if max_new is not None:
+            floor = lowest(near)
+            while near_most is not None and floor > near_most and n_near > 0:  # long lines: fewer of them
+                n_near -= 1
+                near = _steps_for(n_near, n_lines) if n_near else 0
+                floor = lowest(near)
+            max_new = max(max_new, floor)
 
         def affordable(step: int) -> tuple[list[int], list[int], list[int]] | None:
             built, cost = lines(step)

@@ -107,7 +107,7 @@ def test_a_budget_below_the_nearest_lines_still_sends_them():
 
 def test_long_nearest_lines_are_fewer_within_near_most():
     """Lines of prose or generated code: the nearest 8 would cost far more than the budget on a cold cache, so only
-    as many of them as make a prompt of `near_most` tokens raise the budget."""
+    as many of them as cost at most `near_most` new tokens raise the budget."""
     long = "".join(f"{i:02d}" + "w" * 98 + "\n" for i in range(20))  # 101 tokens a line
     fim = FimPrompt(PLAIN, chars)
     assert fim.fit(Infill(long, "b\n"), room=10_000, max_new=10).kept.prefix_tokens[0] == NEAR_LINES * 101

@@ -196,8 +196,8 @@ class FimPrompt:
         n_near, n_lines = NEAR_LINES, len(infill.prefix.splitlines())
         near = _steps_for(n_near, n_lines)
 
-        def lowest(near: int) -> int:  # the nearest lines' cost, where they cost least: alone, or with what is cached
-            costs = [c for s in {near, *_grid(FIT_STEPS)} if s >= near and (c := lines(s)[1]) is not None]
+        def lowest(first: int) -> int:  # the nearest lines' cost, where they cost least: alone, or with what is cached
+            costs = [c for s in {first, *_grid(FIT_STEPS)} if s >= first and (c := lines(s)[1]) is not None]
             return min(costs, default=max_new or 0)
 
         if max_new is not None:

@@ -204,7 +204,7 @@ class FimPrompt:
             floor = lowest(near)
             while near_most is not None and floor > near_most and n_near > 0:  # long lines: fewer of them
                 n_near -= 1
-                near = _steps_for(n_near, n_lines) if n_near else 0
+                near = _steps_for(n_near, n_lines)
                 floor = lowest(near)
             max_new = max(max_new, floor)
 
@@ -365,7 +365,7 @@ def _grid(top: int) -> list[int]:
 
 def _steps_for(n_lines: int, available: int) -> int:
     """The fewest steps that take `n_lines` of `available` lines (all of them when fewer), as _share counts."""
-    return (min(n_lines, available) - 1) * FIT_STEPS // available + 1 if available else 0
+    return (min(n_lines, available) - 1) * FIT_STEPS // available + 1 if available and n_lines > 0 else 0
 
 
 def _bisect(lo: int, hi: int, build: Callable[[int], T | None], best: tuple[int, T | None]) -> tuple[int, T | None]:

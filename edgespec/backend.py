@@ -143,6 +143,12 @@ class Model(FirstSequence):
 
     aside: KVSequence | None = None  # LoadConfig.aside's sequence (engine.slots.SlotPool); none without parks
 
+    @staticmethod
+    def padded(n: int) -> int:
+        """How many tokens a batch of `n` is evaluated as, filler after them dropped once done: the engine sets
+        the calibrated choice (decoding.costs.PromptRate.padded), since some sizes cost less than a smaller one."""
+        return n
+
     def __init__(self, path: str | Path, cfg: LoadConfig | None = None, *, facts_only: bool = False,
                  remote: RemoteLayers | None = None) -> None:
         self.cfg = cfg = cfg or LoadConfig()
@@ -367,19 +373,24 @@ class KVSequence(KeptRow):
         ptr = llama_cpp.llama_get_logits(md._ctx)
         return np.ctypeslib.as_array(ptr, shape=(n_outputs, md.n_vocab))
 
-    def _decode_batch(self, toks: np.ndarray, outputs: np.ndarray, abortable: bool = False) -> bool:
-        """One llama_decode of at most n_batch tokens at the next positions; the mirror follows what llama.cpp kept.
-        False when Model.abort ended an `abortable` one."""
+    def _decode_batch(self, toks: np.ndarray, outputs: np.ndarray, abortable: bool = False, pad: bool = True) -> bool:
+        """One llama_decode of at most n_batch tokens at the next positions, `pad`ded as Model.padded says; the mirror
+        follows what llama.cpp kept. False when Model.abort ended an `abortable` one."""
         md, m = self.model, len(toks)
+        run = md.padded(m) if pad else m
+        if run > m and not (md.can_trim and run <= md.n_batch and self.n_past + run <= md.n_ctx):
+            run = m
         md._set_batch_seq(self.seq_id)
-        md._b_token[:m] = toks
-        md._b_pos[:m] = np.arange(self.n_past, self.n_past + m, dtype=np.int32)
-        md._b_logits[:m] = outputs
-        md._batch.n_tokens = m
+        md._b_token[:m], md._b_token[m:run] = toks, toks[-1]  # the filler: rows after the batch change none of it
+        md._b_pos[:run] = np.arange(self.n_past, self.n_past + run, dtype=np.int32)
+        md._b_logits[:m], md._b_logits[m:run] = outputs, False
+        md._batch.n_tokens = run
         try:
             rc = llama_cpp.llama_decode(md._ctx, md._batch)
             md._shifted = md._shifted and abortable  # a batch that is not abortable re-rotated them
             if rc == 0:
+                if run > m:
+                    llama_cpp.llama_memory_seq_rm(md._mem, self.seq_id, self.n_past + m, -1)
                 self.tokens.extend(toks.tolist())
         except BaseException:  # e.g. KeyboardInterrupt between the C call and the mirror update
             self._resync()
@@ -389,6 +400,8 @@ class KVSequence(KeptRow):
             return False
         if rc != 0:
             self._resync()
+            if rc == 1 and run > m:  # no room for the filler
+                return self._decode_batch(toks, outputs, abortable, pad=False)
             if rc == 1:
                 raise ContextOverflowError(f"no KV slot for {m} tokens at position {self.n_past}; use a larger --ctx")
             raise EdgespecError(f"llama_decode failed with code {rc} at position {self.n_past}")

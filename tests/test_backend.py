@@ -87,6 +87,29 @@ def test_trim_then_regenerate_gives_the_same_logits(smollm):
     np.testing.assert_array_equal(first, again)
 
 
+def test_a_padded_batch_keeps_its_own_tokens_and_the_rows_they_get_alone(smollm, monkeypatch):
+    """Model.padded: filler after a batch is evaluated with it and dropped; the cache, its positions and the rows
+    asked for are the batch's alone (up to the kernels' float noise), and where the filler would not fit the
+    context the batch goes unpadded."""
+    tokens = smollm.tokenize("def fibonacci(n):\n    if n < 2:\n        return")
+    smollm.trim(0)
+    alone = smollm.decode(tokens, n_outputs=2).copy()
+    monkeypatch.setattr(smollm, "padded", lambda n: n + 5)
+    smollm.trim(0)
+    padded = smollm.decode(tokens, n_outputs=2).copy()
+    assert smollm._batch.n_tokens == len(tokens) + 5  # the pass ran with the filler
+    assert smollm.tokens == tokens and smollm.pos_max() == len(tokens) - 1
+    np.testing.assert_allclose(padded, alone, atol=0.05)
+    assert (padded.argmax(1) == alone.argmax(1)).all()
+    smollm.decode(tokens[:1])
+    assert smollm.pos_max() == len(tokens)  # the next token right after them
+    smollm.trim(0)
+    smollm.decode([1] * (smollm.n_ctx - 3))
+    smollm.decode([1, 2, 3])  # 3 cells left, no room for 5 more
+    assert smollm._batch.n_tokens == 3 and smollm.n_past == smollm.n_ctx == smollm.pos_max() + 1
+    smollm.trim(0)
+
+
 def test_shared_prefix_and_keep_prefix_of(smollm):
     smollm.trim(0)
     smollm.decode([10, 11, 12, 13])

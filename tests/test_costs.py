@@ -1,8 +1,12 @@
 """The trackers that learn costs and acceptance, with literal numbers."""
 
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 
-from edgespec.decoding.costs import PAUSE_BATCH_STEP, AcceptanceTracker, CostTracker, PromptRate, pause_batch
+from edgespec.decoding.costs import (PAUSE_BATCH_STEP, AcceptanceTracker, CostTracker, PromptRate, pause_batch,
+                                     time_batches)
 from edgespec.decoding.policy import Costs
 
 # ../shared/FACTS.md: time of a batch of B tokens over a single-token pass, 2-core CPU.
@@ -122,6 +126,40 @@ def test_prompt_rate_prices_new_tokens_on_the_calibrated_curve():
     rate.observe(4, 0.4)  # prefills run twice the calibrated time: the scale moves towards 2
     assert 1.0 < rate.scale < 2.0 and rate.tokens_within(0.5) < 9
     assert PromptRate().tokens_within(0.5) is None  # nothing calibrated: no budget can be priced
+
+
+def test_a_prompt_batch_is_padded_to_a_timed_size_where_that_costs_less():
+    # The 1.5B target's prompt batches on the 2-core AVX-512 Xeon, repacked weights (docs/bench/prompt-padding.md):
+    # a size one short of 4, 16 or 32 costs more than that size.
+    rate = PromptRate((1, 2, 3, 4, 7, 8, 15, 16, 31, 32),
+                      (0.070, 0.085, 0.109, 0.090, 0.151, 0.160, 0.250, 0.190, 0.390, 0.336))
+    assert [n for n in range(1, 40) if rate.padded(n) != n] == [3, 11, 12, 13, 14, 15, 27, 28, 29, 30, 31]
+    assert rate.padded(13) == 16 and rate.padded(31) == 32 and rate.padded(10) == 10  # 10 alone costs less than 16
+    assert rate.padded(32) == 32 and rate.padded(45) == 45  # at or past the largest size: as it is
+    assert rate.seconds(13) == pytest.approx(0.190) and rate.seconds(45) == pytest.approx(0.336 + 0.190)
+    assert rate.tokens_within(0.2) == 16  # priced padded, 16 tokens fit where 10 would alone
+    assert PromptRate().padded(13) == 13  # nothing timed: nothing padded
+
+
+def test_calibration_keeps_a_size_cheaper_than_the_one_just_short_of_it(monkeypatch):
+    """time_batches takes a dip among powers of two for noise, and not a power of two's dip below the size one short
+    of it."""
+    curve = {1: 0.070, 2: 0.085, 3: 0.109, 4: 0.090, 7: 0.151, 8: 0.160, 15: 0.250, 16: 0.190}
+    clock = [0.0]
+
+    class Timed:  # a model whose passes take the curve's times on a clock of its own
+        n_past, vocab, path = 0, SimpleNamespace(bos=1), Path("timed.gguf")
+
+        def decode(self, tokens, n_outputs=1):
+            clock[0] += curve[len(tokens)]
+
+        def trim(self, n):
+            pass
+
+    monkeypatch.setattr("edgespec.decoding.costs.time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    assert time_batches(Timed(), tuple(curve)) == pytest.approx(tuple(curve.values()))
+    curve[16] = 0.150  # below 8's: noise, raised to it
+    assert time_batches(Timed(), tuple(curve))[-1] == pytest.approx(0.160)
 
 
 def test_a_prefill_that_moved_chunks_teaches_the_shift_not_the_scale():

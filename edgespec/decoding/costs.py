@@ -8,6 +8,7 @@ tracked online as decayed counts, so it follows the text. `policy` puts them tog
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import importlib.util
 import json
@@ -25,6 +26,9 @@ log = logging.getLogger(__name__)
 # Batch sizes calibrated; the chooser only considers these, since the curve is not monotonic (llama.cpp
 # switches kernels with the batch size) and powers of two are where CPU kernels are cheapest per token.
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+# Sizes just short of a calibrated one, timed for prompts (PromptRate.padded): llama.cpp's repacked CPU kernels take
+# a batch's rows four and sixteen at a time, so one row short of a calibrated size can cost more than that size.
+PROMPT_BATCHES = (3, 7, 15, 31, 63)
 ACCEPT_DECAY = 0.9  # weight of the past per observation: follows the text within ~10 cycles
 ACCEPT_PRIOR = 0.5
 PRIOR_WEIGHT = 2.0  # the prior counts as this many observations
@@ -32,7 +36,7 @@ COST_DECAY = 0.8  # weight of the past per observed pass: costs follow the conte
 # Per pass of another size, a size's own scale keeps this weight against the next smaller size's, so
 # one dear pass (a deep context, a busy spell) does not keep the larger sizes untried for good.
 COST_STALE_DECAY = 0.98
-CACHE_VERSION = 8  # 8: an AMX build repacks its weights by name (backend.repack_without_amx), so its curve changed
+CACHE_VERSION = 9  # 9: PROMPT_BATCHES timed too; 8: an AMX build repacks its weights by name (its curve changed)
 # Background batch sizes a pause is planned in (pause_batch), and the slack on a batch's predicted time: its cost
 # varies between runs, and a batch that overruns the pause is lost.
 PAUSE_BATCH_STEP = 8
@@ -87,7 +91,8 @@ class CostTracker:
             scales.append(load * last)
         c = self.calibrated
         draft = c.draft_seconds_per_token * load * self._scale.get(0, 1.0) if c.draft_seconds_per_token else None
-        self.costs = Costs(c.batches, tuple(t * s for t, s in zip(c.target_seconds, scales)), draft)
+        self.costs = dataclasses.replace(c, target_seconds=tuple(t * s for t, s in zip(c.target_seconds, scales)),
+                                         draft_seconds_per_token=draft)
 
 
 class PromptRate:
@@ -115,7 +120,17 @@ class PromptRate:
             return extra
         b, t = self.batches, self.seconds_of
         full, rest = divmod(tokens, b[-1])
-        return extra + self.scale * (full * t[-1] + (_interpolate(b, t, rest) if rest else 0.0))
+        return extra + self.scale * (full * t[-1] + (_interpolate(b, t, self.padded(rest)) if rest else 0.0))
+
+    def padded(self, n: int) -> int:
+        """How many tokens to evaluate `n` new prompt tokens as: the timed size of at least n that costs least, where
+        that is less than n cost alone (else n; also at or past the largest size). The filler after them changes none
+        of their rows, attention being causal, and is dropped after (backend.Model.padded)."""
+        b, t = self.batches, self.seconds_of
+        if not self.known or n <= 0 or n >= b[-1]:
+            return n
+        cost, size = min((c, s) for s, c in zip(b, t) if s >= n)
+        return size if cost < _interpolate(b, t, n) else n
 
     def observe(self, tokens: int, seconds: float, shifted: bool = False) -> None:
         """A prefill of `tokens` new tokens took `seconds`: the scale follows it, at most 2x per observation; one
@@ -230,21 +245,26 @@ def calibrate(target, draft, k_max: int, cache_dir: Path, device: str = "cpu",
     every pass timed (none when the costs come from the cache).
     """
     batches = tuple(b for b in CALIBRATION_BATCHES if b <= k_max + 1)
+    sizes = tuple(sorted({*batches, *(b for b in PROMPT_BATCHES if b < batches[-1])}))
     t0 = time.perf_counter()
-    target_seconds = _measured_or_timed(target, batches, cache_dir, getattr(target, "device_key", device), progress)
+    timed = dict(zip(sizes, _measured_or_timed(target, sizes, cache_dir, getattr(target, "device_key", device),
+                                               progress)))
+    target_seconds = tuple(timed[b] for b in batches)
     # An ONNX draft names its execution provider: its cost depends on that, not on llama.cpp's device.
     draft_cost = (_measured_or_timed(draft, (1,), cache_dir, getattr(draft, "device_key", device), progress)[0]
                   if draft is not None else None)
     log.info("costs in %.2fs: t(B)/t(1) = %s, draft/target per token = %s", time.perf_counter() - t0,
              [round(t / target_seconds[0], 2) for t in target_seconds],
              round(draft_cost / target_seconds[0], 2) if draft_cost else None)
-    return Costs(batches, target_seconds, draft_cost)
+    return Costs(batches, target_seconds, draft_cost, tuple((b, t) for b, t in timed.items() if b not in batches))
 
 
 def measured(cache_dir: Path, path: Path, gpu_layers: int, load, device: str) -> tuple[float, ...] | None:
-    """The t(B) cached for this model file laid out so (`load`: a LoadConfig), if it was ever calibrated."""
+    """The t(B) at CALIBRATION_BATCHES cached for this model file laid out so (`load`: a LoadConfig), as far as it was
+    calibrated (PROMPT_BATCHES left out), if it ever was."""
     cached = _read_cached(_cache_path(cache_dir, path, gpu_layers, load, device))
-    return cached[1] if cached and cached[1] else None
+    seconds = tuple(t for b, t in zip(*cached) if b in CALIBRATION_BATCHES) if cached else ()
+    return seconds or None
 
 
 def _measured_or_timed(model, batches: tuple[int, ...], cache_dir: Path, device: str,
@@ -302,9 +322,11 @@ def time_batches(model, batches: Sequence[int], progress: TimingProgress | None 
             model.trim(base)
             report(model.path.name, r * len(batches) + i + 1, 3 * len(batches))
     out: list[float] = []
-    for times in samples:
-        # Among powers of two a larger batch never costs less; a dip is noise.
-        out.append(max(sorted(times)[1], out[-1] if out else 0.0))
+    floor = 0.0
+    for b, times in zip(batches, samples):
+        # Among powers of two a larger batch never costs less; a dip is noise. A size short of one may cost more.
+        out.append(max(sorted(times)[1], floor))
+        floor = out[-1] if b & (b - 1) == 0 else floor
     return tuple(out)
 
 

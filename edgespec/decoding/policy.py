@@ -33,6 +33,14 @@ class Costs:
     batches: tuple[int, ...]
     target_seconds: tuple[float, ...]
     draft_seconds_per_token: float | None = None
+    # More sizes timed for prompts only (decoding.costs.PROMPT_BATCHES), as (B, seconds): no cycle verifies them.
+    prompt_only: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def prompt_curve(self) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """Every size timed and its seconds, in order of size: what a prompt's batch can cost."""
+        both = sorted({**dict(zip(self.batches, self.target_seconds)), **dict(self.prompt_only)}.items())
+        return tuple(b for b, _ in both), tuple(t for _, t in both)
 
     def verify_seconds(self, b: int) -> float:
         return self.target_seconds[self.batches.index(b)]

@@ -120,6 +120,13 @@ def test_prefix_of_previous_call_is_reused(smollm_path):
     assert again.stats.cached_prompt_tokens == again.stats.prompt_tokens
 
 
+def test_the_engine_pads_prompt_batches_as_its_calibrated_curve_prices_them(smollm_path):
+    with Engine(smollm_path, load=LoadConfig(n_ctx=512)) as e:
+        rate = e.prompt_rate
+        assert rate.known and rate.batches[:5] == (1, 2, 3, 4, 7)  # the sizes timed for prompts only are there
+        assert [e.target.padded(n) for n in range(1, 80)] == [rate.padded(n) for n in range(1, 80)]
+
+
 def test_a_generation_cancelled_before_it_begins_leaves_the_cache_as_it_was(smollm_path):
     # A warm-up preempted before its turn came: it must not evict what the next request reuses.
     import threading

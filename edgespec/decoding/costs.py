@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 # switches kernels with the batch size) and powers of two are where CPU kernels are cheapest per token.
 CALIBRATION_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 # Sizes just short of a calibrated one, timed for prompts (PromptRate.padded): llama.cpp's repacked CPU kernels take
-# a batch's rows four and sixteen at a time, so one row short of a calibrated size can cost more than that size.
+# a batch's rows four at a time and each row left over alone, so 15 tokens can cost more than 16.
 PROMPT_BATCHES = (3, 7, 15, 31, 63)
 ACCEPT_DECAY = 0.9  # weight of the past per observation: follows the text within ~10 cycles
 ACCEPT_PRIOR = 0.5

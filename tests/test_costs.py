@@ -137,7 +137,6 @@ def test_a_prompt_batch_is_padded_to_a_timed_size_where_that_costs_less():
     assert rate.padded(13) == 16 and rate.padded(31) == 32 and rate.padded(10) == 10  # 10 alone costs less than 16
     assert rate.padded(32) == 32 and rate.padded(45) == 45  # at or past the largest size: as it is
     assert rate.seconds(13) == pytest.approx(0.190) and rate.seconds(45) == pytest.approx(0.336 + 0.190)
-    assert rate.tokens_within(0.2) == 16  # priced padded, 16 tokens fit where 10 would alone
     assert PromptRate().padded(13) == 13  # nothing timed: nothing padded
 
 

@@ -16,7 +16,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
+import machine  # noqa: E402
 from edgespec.backend import Model  # noqa: E402
 from edgespec.config import LoadConfig  # noqa: E402
 from edgespec.decoding.costs import PromptRate, calibrate  # noqa: E402
@@ -35,6 +37,7 @@ def main() -> None:
     path = fetch(args.model)
     m = Model(path, LoadConfig(n_ctx=args.context + 2 * max(args.sizes) + 16, n_threads=args.threads))
     try:
+        where = machine.record(m, args.threads)  # calibrates, or reads the cached calibration the next line reads
         rate = PromptRate(*calibrate(m, None, 63, calibration_dir()).prompt_curve)  # as the engine prices prompts
         m.decode(list(range(1000, 1000 + args.context)), n_outputs=1)
         base, plain = m.n_past, m.padded
@@ -48,6 +51,7 @@ def main() -> None:
                     ms.setdefault((n, pad), []).append((time.perf_counter() - t) * 1000)
                     m.trim(base)
         med = {k: statistics.median(v) for k, v in ms.items()}
+        print(machine.line(where))
         print(f"{path.name}, {args.threads} threads, {args.context} tokens cached; ms per prompt batch, median of "
               f"{args.rounds} rounds; the sizes edgespec pads:")
         print("| n | evaluated as | as it is | padded | ratio |")

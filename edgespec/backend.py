@@ -27,7 +27,7 @@ from edgespec.decoding.loop import FirstSequence, KeptRow
 from edgespec.decoding.rules import check_json_schema
 from edgespec.errors import (ContextOverflowError, EdgespecError, InvalidModelError, InvalidRequestError,
                              UnsupportedModelError, stderr_captured)
-from edgespec import gguf
+from edgespec import compute, gguf
 from edgespec.gguf import ModelFacts, Vocab, check_gguf_file
 from edgespec.text import to_utf8
 
@@ -386,7 +386,7 @@ class KVSequence(KeptRow):
         md._b_logits[:m], md._b_logits[m:run] = outputs, False
         md._batch.n_tokens = run
         try:
-            rc = llama_cpp.llama_decode(md._ctx, md._batch)
+            rc = compute.run(llama_cpp.llama_decode, md._ctx, md._batch)
             md._shifted = md._shifted and abortable  # a batch that is not abortable re-rotated them
             if rc == 0:
                 if run > m:

@@ -184,6 +184,7 @@ class Record:
     agree: int
     prompt_ms: float | None = None  # the server's own split of `seconds`
     predicted_ms: float | None = None
+    predicted_n: int | None = None
 
 
 @dataclass
@@ -260,8 +261,9 @@ def _record(kind: str, where: str, data: dict, seconds: float, body: dict, real:
     limit = (body.get("t_max_prompt_ms", 0) + body.get("t_max_predict_ms", 0)) / 1000 + 1.0
     prompt_ms = data.get("timings/prompt_ms", timings.get("prompt_ms"))
     predicted_ms = data.get("timings/predicted_ms", timings.get("predicted_ms"))
+    predicted_n = data.get("timings/predicted_n", timings.get("predicted_n"))
     return Record(kind, where, seconds, prompt_n, cache_n, content, real, limit, agreement(content, real),
-                  prompt_ms, predicted_ms)
+                  prompt_ms, predicted_ms, predicted_n)
 
 
 def turn(peer: Peer, others: list[Peer], fn: Any) -> Any:

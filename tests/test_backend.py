@@ -110,6 +110,32 @@ def test_a_padded_batch_keeps_its_own_tokens_and_the_rows_they_get_alone(smollm,
     smollm.trim(0)
 
 
+def test_every_pass_runs_on_one_thread_whichever_thread_asks(smollm, monkeypatch):
+    """edgespec.compute: llama.cpp's OpenMP build gives each thread that decodes a team of workers of its own, and
+    teams that outnumber the CPUs slow every pass; so a decode asked for on the main thread and one asked for on a
+    worker thread (a server slot's) both run on the one compute thread, with the same rows."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from edgespec import backend
+
+    seen, real = [], backend.llama_cpp.llama_decode
+    monkeypatch.setattr(backend.llama_cpp, "llama_decode",
+                        lambda ctx, batch: seen.append(threading.get_ident()) or real(ctx, batch))
+    tokens = smollm.tokenize("def fibonacci(n):")
+
+    def decoded() -> tuple[np.ndarray, int]:
+        smollm.trim(0)
+        return smollm.decode(tokens).copy(), threading.get_ident()
+
+    here, main = decoded()
+    with ThreadPoolExecutor(1) as pool:
+        there, worker = pool.submit(decoded).result()
+    assert len(seen) == 2 and seen[0] == seen[1] and seen[0] not in (main, worker)
+    np.testing.assert_array_equal(here, there)
+    smollm.trim(0)
+
+
 def test_shared_prefix_and_keep_prefix_of(smollm):
     smollm.trim(0)
     smollm.decode([10, 11, 12, 13])

@@ -2,9 +2,9 @@
 
 llama-cpp-python builds llama.cpp's CPU backend with OpenMP, which gives each thread that calls llama_decode a
 team of worker threads of its own. Once the teams' threads outnumber the CPUs, libgomp stops spinning at the
-barrier between a graph's nodes and sleeps there instead (its "throttled" spin count), and every pass slows down:
-by a third on a 2-core CPU, as soon as two threads had each decoded once (docs/bench/compute-thread.md). The server
-has a worker thread per slot and loads the model on another, so all their passes come here.
+barrier between a graph's nodes and sleeps there instead (its "throttled" spin count), and every pass takes longer:
+1.35x as long on a 2-core CPU once two threads had each decoded (docs/bench/compute-thread.md). The server has a
+worker thread per slot and loads the model on another, so all their passes come here.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""What a pass of one token (or a prompt's batch) costs when two threads take turns decoding (the server's slot workers, the thread that
-loaded the model), with every pass run on edgespec's one compute thread and with each thread calling llama.cpp
-itself, as edgespec did before edgespec.compute. One thread decoding alone is the reference. Each case runs in a
-process of its own (OpenMP's teams live as long as their threads), the cases alternating over the rounds, so a busy
-spell of the machine spoils all alike.
+"""What a pass of one token (or of a prompt's batch) costs when two threads take turns decoding (the server's slot
+workers, the thread that loaded the model), with every pass run on edgespec's one compute thread and with each
+thread calling llama.cpp itself, as edgespec did before edgespec.compute. One thread decoding alone is the
+reference. Each case runs in a process of its own (OpenMP's teams live as long as their threads), the cases
+alternating over the rounds, so a busy spell of the machine spoils all alike.
 
     python scripts/bench_compute_thread.py                  # Qwen2.5-Coder-1.5B, 2 threads, 400 tokens cached
-    python scripts/bench_compute_thread.py --batch 16          # a prompt's batch instead of one token
+    python scripts/bench_compute_thread.py --batch 16       # a prompt's batch instead of one token
 """
 
 from __future__ import annotations

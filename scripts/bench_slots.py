@@ -19,6 +19,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_server import Server  # noqa: E402
 
 from edgespec.decoding.costs import cpu_model  # noqa: E402
+from edgespec.paths import MEMORY_ENV  # noqa: E402
 
 QUESTION = "Explain, with examples, how Python's asyncio event loop schedules coroutines and callbacks."
 PREFIX = "import math\n\n\ndef area_of_circle(radius):\n    "
@@ -62,6 +64,9 @@ def infill_ttft(server: Server, i: int) -> tuple[float, float]:
 
 
 def run_mode(model: str, slots: int, chat_tokens: int, infills: int, interval: float) -> dict:
+    # edgespec's memory starts empty in each mode: an earlier run's answer to the same question would draft it
+    memory = tempfile.TemporaryDirectory(prefix="bench-slots-memory-")
+    os.environ[MEMORY_ENV] = memory.name
     server = Server(model, "--ctx", "4096", "--slots", str(slots))
     try:
         messages = [{"role": "user", "content": QUESTION}]
@@ -116,6 +121,7 @@ def run_mode(model: str, slots: int, chat_tokens: int, infills: int, interval: f
                 "follow_up_cached_prompt_tokens": follow["speculative"]["cached_prompt_tokens"]}
     finally:
         server.stop()
+        memory.cleanup()
 
 
 def main() -> None:

@@ -313,3 +313,29 @@ def test_an_editors_warm_up_finishes_the_aside_build_before_its_own_chunks(serve
     out = httpx.post(server.url + "/infill", json=warm, timeout=300).json()
     assert builds_done(server) > done  # done by the time the warm-up answers, not left stopped by it
     assert out["timings"]["prompt_n"] > 0, out["timings"]
+
+
+def test_once_the_slot_holds_an_aside_build_the_next_one_is_wider(qwen_draft_path):
+    """A first aside build is narrow, so it is ready within a few of an editor's pauses; once the slot has taken it,
+    the next answer asks for one about ASIDE_GROWTH times as wide (within the aside's cells), built afresh: wider
+    contexts complete better (docs/bench/editor.md)."""
+    from edgespec.engine.infill import ASIDE_FIRST_TOKENS, ASIDE_GROWTH, ASIDE_GROWTH_LEAST, ASIDE_HEAD
+
+    lines = "".join(SOURCE).splitlines(keepends=True)
+    at = lambda y: Infill("".join(lines[:y]), "\n" + "".join(lines[y + 1:y + 5]), "    ")  # noqa: E731
+    turn = lambda ip: GenerationConfig(max_tokens=1, cache_reuse=16, memory=None, slot=ip.slot)  # noqa: E731
+    with Engine(EngineConfig(str(qwen_draft_path), proposer="none", load=LoadConfig(n_ctx=4096, aside=1024))) as eng:
+        eng.prompt_rate = PromptRate((1, 64), (0.05, 0.4))  # a slow CPU's: 0.5 s buys 74 new tokens
+        prefix = lambda t: len(t) - t.index(eng.target.vocab.fim_pre) - 1  # noqa: E731
+        first = eng.infill_prompt(at(141), 16, 0.5, cache_reuse=16)
+        eng.generate(first.tokens, turn(first))
+        narrow, held = first.aside()
+        assert first.kept.prefix_tokens[0] < prefix(narrow) <= ASIDE_FIRST_TOKENS
+        assert eng.build_aside(narrow, held, threading.Event(), lambda left: min(left, 64))
+        nxt = eng.infill_prompt(at(143), 16, 0.5, cache_reuse=16)  # two lines on: it starts where the aside does
+        eng.generate(nxt.tokens, turn(nxt))
+        took = nxt.kept.prefix_tokens[0]
+        assert took > prefix(narrow) and eng.slots[nxt.slot].cache.tokens[:len(narrow)] == narrow
+        wide, lines_held = nxt.aside()
+        assert ASIDE_GROWTH_LEAST * took <= prefix(wide) <= min(ASIDE_GROWTH * took, 1024 - ASIDE_HEAD)
+        assert at(143).prefix.endswith(lines_held) and len(lines_held) > len(held)

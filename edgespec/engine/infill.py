@@ -7,8 +7,9 @@ nearest lines (fim.NEAR_LINES): a cold cache gets a narrow context, answered in 
 
 While nobody waits, a wider context is evaluated afresh beside the slot (the aside sequence, engine.slots): the
 lines before the cursor line, which stay as the cursor moves on down, ASIDE_FIRST_TOKENS of them at first, then
-kept from the same line on as the file is walked. A request prices its prompts against the aside too, and takes it
-where that is wider for its budget: then only its new lines, the typed text and the suffix are evaluated. Without
+kept from the same line on as the file is walked; once a slot has taken them, ASIDE_GROWTH times as many, afresh
+again, up to the aside's cells. A request prices its prompts against the aside too, and takes it where that is
+wider for its budget: then only its new lines, the typed text and the suffix are evaluated. Without
 an aside (LoadConfig.aside 0, or a model that cannot park chunks) the server widens the context in place after a
 pause, a few lines at a time.
 """
@@ -33,7 +34,11 @@ from edgespec.prompts.fim import Fitted, FimPrompt, Infill, Kept, cursor_anchor,
 MOVE_MIN_GAIN = 64
 # Tokens of prefix lines a first aside build takes: ready after a few of an editor's pauses, yet enough wider than
 # what a budget buys to complete better (docs/bench/editor.md).
-ASIDE_FIRST_TOKENS = 320
+ASIDE_FIRST_TOKENS = 192
+# Once the slot holds a build, the next one is this much wider, up to LoadConfig.aside: wider contexts complete
+# better, and a narrow first build is ready sooner. No build for less than ASIDE_GROWTH_LEAST times as wide.
+ASIDE_GROWTH = 2
+ASIDE_GROWTH_LEAST = 1.5
 # Budgets of evaluation the nearest lines (fim.NEAR_LINES) may take on a cold cache: past it, fewer of them (long
 # lines), so the answer still comes within the second an editor's user is promised past the budgets.
 NEAR_BUDGETS = 2.0
@@ -111,10 +116,14 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
     def build() -> tuple[list[int], str] | None:
         if aside is None or done:
             return None
-        most = m.cfg.aside - ASIDE_HEAD
+        most, held = m.cfg.aside - ASIDE_HEAD, fitted.kept.prefix_tokens[0]
+        lines_of = lambda t: len(t) - t.index(m.vocab.fim_pre) - 1  # noqa: E731 - prefix tokens of a build
         tokens, lines = fim.stable(infill, min(ASIDE_FIRST_TOKENS, most), most, aside_lines)
-        wider = len(tokens) - tokens.index(m.vocab.fim_pre) - 1 > fitted.kept.prefix_tokens[0]
-        return (tokens, lines) if wider else None
+        if lines_of(tokens) <= held:  # the slot holds what the aside held: the next width, afresh
+            tokens, lines = fim.stable(infill, min(ASIDE_GROWTH * held, most), most)
+            if lines_of(tokens) < ASIDE_GROWTH_LEAST * held:
+                return None
+        return (tokens, lines) if lines_of(tokens) > held else None
 
     return InfillPrompt(fitted.tokens, fitted.kept, chosen, new, budget,
                         lambda: fim.widening(infill, room, fitted, WIDEN_LINES_STEP), build)

@@ -65,6 +65,9 @@ PAUSES_KEPT = 16  # the last pauses between answers and requests that background
 # Cells `edgespec serve` sets apart for the aside sequence (LoadConfig.aside): a cut /infill context is built wider
 # there, afresh, while nobody waits, and the editor's slot takes it whole when it is ready (engine.infill).
 ASIDE_TOKENS = 1024
+# Seconds after an answer before background work starts: its compute threads take both cores of a small CPU, and the
+# answer's delivery (the server's event loop, the editor reading it) and the editor's next request would wait on them.
+ANSWER_QUIET = 0.05
 QUIET_TICK_SECONDS = 0.1  # resolution of the quiet before background widening (server.service)
 # Cross-request memory (memory.py): the namespace of the machine's own user (CLI, Python API, a server without keys);
 # a server's API keys each get one of their own. A namespace is also a file name, so it is kept to these characters.

@@ -112,21 +112,22 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
                                                                    fitted, new)):
         fitted, new = wide
     done = fitted.kept.prefix_tokens[0] >= fitted.kept.prefix_tokens[1]
-
-    def build() -> tuple[list[int], str] | None:
-        if aside is None or done:
-            return None
-        most, held = m.cfg.aside - ASIDE_HEAD, fitted.kept.prefix_tokens[0]
-        lines_of = lambda t: len(t) - t.index(m.vocab.fim_pre) - 1  # noqa: E731 - prefix tokens of a build
-        tokens, lines = fim.stable(infill, min(ASIDE_FIRST_TOKENS, most), most, aside_lines)
-        if lines_of(tokens) <= held:  # the slot holds what the aside held: the next width, afresh
-            tokens, lines = fim.stable(infill, min(ASIDE_GROWTH * held, most), most)
-            if lines_of(tokens) < ASIDE_GROWTH_LEAST * held:
-                return None
-        return (tokens, lines) if lines_of(tokens) > held else None
-
+    build = (lambda: None) if aside is None or done else functools.partial(
+        _aside_build, fim, infill, fitted.kept.prefix_tokens[0], m.cfg.aside - ASIDE_HEAD, aside_lines)
     return InfillPrompt(fitted.tokens, fitted.kept, chosen, new, budget,
                         lambda: fim.widening(infill, room, fitted, WIDEN_LINES_STEP), build)
+
+
+def _aside_build(fim: FimPrompt, infill: Infill, held: int, most: int, lines: str) -> tuple[list[int], str] | None:
+    """What the aside should hold next (its tokens and lines, of at most `most` tokens) for a prompt that kept
+    `held` tokens of `infill`'s prefix, the aside last asked to hold `lines`; None where nothing is wider."""
+    lines_of = lambda t: len(t) - t.index(fim.vocab.fim_pre) - 1  # noqa: E731 - prefix tokens of a build
+    tokens, lines = fim.stable(infill, min(ASIDE_FIRST_TOKENS, most), most, lines)
+    if lines_of(tokens) <= held:  # the slot holds what the aside held: the next width, afresh
+        tokens, lines = fim.stable(infill, min(ASIDE_GROWTH * held, most), most)
+        if lines_of(tokens) < ASIDE_GROWTH_LEAST * held:
+            return None
+    return (tokens, lines) if lines_of(tokens) > held else None
 
 
 def _from_aside(fim: FimPrompt, infill: Infill, room: int, aside: KVSequence, lines: str, budget: int,

@@ -22,7 +22,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 
 from edgespec import errors
-from edgespec.config import BACKGROUND_BATCH, INFILL_CACHE_REUSE, PAUSES_KEPT, QUIET_TICK_SECONDS, GenerationConfig
+from edgespec.config import (ANSWER_QUIET, BACKGROUND_BATCH, INFILL_CACHE_REUSE, PAUSES_KEPT, QUIET_TICK_SECONDS,
+                             GenerationConfig)
 from edgespec.decoding import costs
 from edgespec.server import metrics, schemas
 from edgespec.server.http import MAX_DRAIN_BYTES, Settings, TooLarge, Unavailable
@@ -179,7 +180,7 @@ class Service:
             return not cancel.is_set()
 
         def work() -> None:
-            if not self.build_aside(aside, cancel):
+            if cancel.wait(ANSWER_QUIET) or not self.build_aside(aside, cancel):
                 return
             if evaluated(now) and prompts is not None and not _quiet_for(delay, cancel):
                 evaluated(prompts)

@@ -118,11 +118,11 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
                         lambda: fim.widening(infill, room, fitted, WIDEN_LINES_STEP), build)
 
 
-def _aside_build(fim: FimPrompt, infill: Infill, held: int, most: int, lines: str) -> tuple[list[int], str] | None:
+def _aside_build(fim: FimPrompt, infill: Infill, held: int, most: int, asked: str) -> tuple[list[int], str] | None:
     """What the aside should hold next (its tokens and lines, of at most `most` tokens) for a prompt that kept
-    `held` tokens of `infill`'s prefix, the aside last asked to hold `lines`; None where nothing is wider."""
+    `held` tokens of `infill`'s prefix, the aside last asked to hold the lines `asked`; None where nothing is wider."""
     lines_of = lambda t: len(t) - t.index(fim.vocab.fim_pre) - 1  # noqa: E731 - prefix tokens of a build
-    tokens, lines = fim.stable(infill, min(ASIDE_FIRST_TOKENS, most), most, lines)
+    tokens, lines = fim.stable(infill, min(ASIDE_FIRST_TOKENS, most), most, asked)
     if lines_of(tokens) <= held:  # the slot holds what the aside held: the next width, afresh
         tokens, lines = fim.stable(infill, min(ASIDE_GROWTH * held, most), most)
         if lines_of(tokens) < ASIDE_GROWTH_LEAST * held:

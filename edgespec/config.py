@@ -52,8 +52,9 @@ DEFAULT_FIM_LAYOUT = "prefix"
 TIME_LIMIT_GRACE = 0.5
 # An /infill sent with both editor budgets (t_max_prompt_ms, t_max_predict_ms) is due this long after their sum,
 # counted from its arrival (GenerationConfig.deadline; no cycle starts that would end past it, as long as the last
-# one): the response fits in the second the editor's user is promised past the budgets.
-ANSWER_SLACK = 0.8
+# one): the response fits in the second the editor's user is promised past the budgets, with 0.4 s of it left for
+# the way to the handler and back and a last cycle longer than the one before (docs/bench/editor.md).
+ANSWER_SLACK = 0.6
 # Seconds of quiet after an /infill answer before its cut context is widened in the background: while the user
 # types, the next request comes sooner and would pay for the widening's batch in flight and its moved cache.
 WIDEN_DELAY = 2.0

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from edgespec.config import (
+    ANSWER_SLACK,
     DEFAULT_MIN_P,
     DEFAULT_REPEAT_LAST_N,
     DEFAULT_TOP_K,
@@ -92,8 +93,8 @@ FIELDS: dict[str, Field] = {
     "stop": Field("up to 16 strings; the text ends before the first one"),
     "t_max_predict_ms": Field("once this many ms have passed since the first token, the next newline ends it; no "
                               "cycle starts that would end as long again later (half a second at most); an /infill "
-                              "with t_max_prompt_ms too ends before a cycle that would end 0.8 s past both budgets "
-                              "from its arrival"),
+                              f"with t_max_prompt_ms too ends before a cycle that would end {ANSWER_SLACK:g} s past "
+                              "both budgets from its arrival"),
     "n_indent": Field("a line after the first with less indentation than this ends it (not streamed)"),
     # -- sampling ---------------------------------------------------------------------------------------------
     "temperature": Field("0 or less is greedy; at most 100"),

@@ -185,6 +185,8 @@ class Record:
     prompt_ms: float | None = None  # the server's own split of `seconds`
     predicted_ms: float | None = None
     predicted_n: int | None = None
+    drafted: int | None = None  # edgespec's speculation figures, where the response carries them
+    accepted: int | None = None
 
 
 @dataclass
@@ -262,8 +264,9 @@ def _record(kind: str, where: str, data: dict, seconds: float, body: dict, real:
     prompt_ms = data.get("timings/prompt_ms", timings.get("prompt_ms"))
     predicted_ms = data.get("timings/predicted_ms", timings.get("predicted_ms"))
     predicted_n = data.get("timings/predicted_n", timings.get("predicted_n"))
+    spec = data.get("speculative") or {}
     return Record(kind, where, seconds, prompt_n, cache_n, content, real, limit, agreement(content, real),
-                  prompt_ms, predicted_ms, predicted_n)
+                  prompt_ms, predicted_ms, predicted_n, spec.get("drafted"), spec.get("accepted"))
 
 
 def turn(peer: Peer, others: list[Peer], fn: Any) -> Any:

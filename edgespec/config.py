@@ -203,9 +203,6 @@ class GenerationConfig:
     # allows. None: no such bound.
     deadline: float | None = None
     min_indent: int = 0  # llama.cpp's n_indent (text.IndentLimit)
-    # Text the answer starts with that the prompt's last tokens already hold (an editor's request served by an earlier
-    # answer's tokens, prompts.fim.Continuation): sent first, and read by the stop strings and min_indent.
-    answer_start: str = ""
     proposer: str | None = None  # this generation's proposer ("none" turns speculation off); None: the engine's
     k: int | None = None  # most tokens per cycle for this generation, at most the engine's; None: the engine's
     slot: int | None = None  # the KV slot to run in (llama.cpp's id_slot); None: the best free one

@@ -169,26 +169,6 @@ def test_llama_vim_speculative_request_costs_a_handful_of_prompt_tokens(server):
     assert not other["infill"]["continued"] and other["timings"]["prompt_n"] > 2, other
 
 
-def test_the_speculative_request_after_an_answer_cut_at_a_newline_starts_past_it(server):
-    """An answer cut at a newline (a time limit, in an editor; here its token limit) is shown without it; the
-    editor's request after it is served by the answer's tokens, newline included, and its answer starts with that
-    newline, as the model wrote it."""
-    fim = {"input_prefix": "".join(SOURCE[:20]) + "def total(items):\n", "input_suffix": "\n\nprint(total([1]))\n",
-           "prompt": "    s = sum(items", "n_predict": 1, "temperature": 0, "t_max_prompt_ms": 60000, "n_indent": 4}
-    assert len(tokens(server, ")\n")) == 1  # so one token ends the line
-    first = httpx.post(server.url + "/infill", json=fim, timeout=300).json()
-    assert first["content"] == ")\n", first
-    shown = accepted(Infill(fim["input_prefix"], fim["input_suffix"], fim["prompt"]), first["content"])
-    spec = httpx.post(server.url + "/infill", json={**fim, "prompt": shown.typed, "n_predict": 16,
-                                                    "t_max_predict_ms": 1000}, timeout=300).json()
-    assert spec["infill"]["continued"] and spec["timings"]["prompt_n"] <= 2, (first, spec)
-    assert spec["content"].startswith("\n    ") and spec["content"].strip(), spec  # the next line, indented
-    again = httpx.post(server.url + "/infill", json={**fim, "prompt": shown.typed, "n_predict": 16,
-                                                     "t_max_predict_ms": 1000}, timeout=300).json()
-    # the same request laid out afresh (nothing left to continue) starts with the newline too
-    assert not again["infill"]["continued"] and again["content"].startswith("\n"), again
-
-
 def test_a_request_preempts_a_warm_up_in_flight(server):
     """A long warm-up is background work: the next completion does not wait for all of it."""
     big = [{"filename": "big.py", "text": "".join(SOURCE) * 2}]

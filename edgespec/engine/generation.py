@@ -119,8 +119,6 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
     for drafter in _drafters(slot.proposer):
         drafter.cache_reuse, drafter.reuse_anchor = config.cache_reuse, run.anchor
     text, indent = TextStream(run.stop), IndentLimit(config.min_indent)
-    if config.answer_start:  # the prompt holds its tokens: the answer's text, none of its tokens
-        yield Chunk(indent.push(text.push(config.answer_start.encode())), [], [])
     finish: FinishReason = "length"
     steps = run.turns(loop.steps(slot.cache, proposer_for(slot, config), prompt, config, stats, run.cancel,
                                  run.k_max, run.k, reuse=config.reuse_prefix, rules=run.rules,

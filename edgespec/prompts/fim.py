@@ -392,8 +392,6 @@ class Continuation:
     infill: Infill  # the request, as accepted() predicts it
     held: str  # the end of its prefix that the prompt holds: the editor's window may drop lines before it
     tokens: list[int]
-    # The newlines the answer ended with, which the editor drops and `tokens` hold: the next answer starts with them.
-    answer_start: str = ""
 
     def serves(self, request: Infill) -> bool:
         want = self.infill
@@ -405,10 +403,8 @@ def continuation(infill: Infill, answer: str, prompt: Sequence[int], generated: 
                  piece: Callable[[int], bytes], layout: str = "prefix", ended: bool = False) -> Continuation | None:
     """How the editor's request after `answer` (a completion of `prompt` at `infill`, its tokens `generated`) is
     served; None for a prompt that is not a FIM prompt of `layout`, and for an answer that ends where the model
-    chose (`ended`: its end of generation or a stop string) or that the editor does not show whole (a line the
-    indentation cut): the same prompt would only choose that end again. Newlines that end the answer (a time
-    limit's), which the editor drops, stay in the prompt and start the next answer: the model wrote them, and
-    would only write them again."""
+    chose (`ended`: its end of generation or a stop string) or that the editor does not show whole (blank lines
+    dropped, a line the indentation cut): the same prompt would only choose that end again."""
     nxt, tokens = accepted(infill, answer), list(prompt)
     pre = _last(tokens, vocab.fim_pre)
     suf = len(tokens) if pre is None else _find(tokens, vocab.fim_suf, pre)
@@ -416,8 +412,10 @@ def continuation(infill: Infill, answer: str, prompt: Sequence[int], generated: 
         return None
     held = b"".join(piece(t) for t in tokens[pre + 1:suf])
     typed = infill.typed.encode() if layout == "prefix" else b""
-    if b"".join(piece(t) for t in generated) != answer.encode() or not held.endswith(typed):
+    shown, got, k = answer.rstrip("\n").encode(), b"", 0
+    while len(got) < len(shown) and k < len(generated):
+        got, k = got + piece(generated[k]), k + 1
+    if got != shown or k < len(generated) or not held.endswith(typed):
         return None
     held_text = held[:len(held) - len(typed)].decode("utf-8", "replace")
-    shown = answer.rstrip("\n")
-    return Continuation(nxt, held_text + nxt.prefix[len(infill.prefix):], [*tokens, *generated], answer[len(shown):])
+    return Continuation(nxt, held_text + nxt.prefix[len(infill.prefix):], [*tokens, *generated[:k]])

@@ -64,12 +64,12 @@ class LlamaRoutes:
         layout = self.svc.settings.fim_layout
         infill, room = schemas.infill(body), min(room, eng.n_ctx // 2)
         follow = self._follow(infill, c) if c.max_tokens else None
-        ip, start = follow or (eng.infill_prompt(infill, room, budget, c.slot, c.cache_reuse, layout,
-                                                 warm_up=c.max_tokens == 0), "")
+        ip = follow or eng.infill_prompt(infill, room, budget, c.slot, c.cache_reuse, layout,
+                                         warm_up=c.max_tokens == 0)
         if c.max_tokens:  # this generation leaves something else in the slot
             self.follows.pop(ip.slot, None)
         due = arrival + budget + c.time_limit + ANSWER_SLACK if budget is not None and c.time_limit else None
-        req = dataclasses.replace(req, config=dataclasses.replace(c, slot=ip.slot, deadline=due, answer_start=start))
+        req = dataclasses.replace(req, config=dataclasses.replace(c, slot=ip.slot, deadline=due))
         report = {"truncated": ip.kept.cut, "infill": {"layout": layout, "budget_tokens": ip.budget_tokens,
                                                        "continued": follow is not None, **ip.kept.to_dict()}}
         shown: dict[str, InfillPrompt] = {}
@@ -104,15 +104,14 @@ class LlamaRoutes:
                                                            "'prompt', 'input_extra')", infill=True, report=report,
                                   after=after)
 
-    def _follow(self, infill: Infill, c: GenerationConfig) -> tuple[InfillPrompt, str] | None:
-        """The prompt an earlier answer left for this request (prompts.fim.Continuation), in the slot it asks for, and
-        the text the answer starts with."""
+    def _follow(self, infill: Infill, c: GenerationConfig) -> InfillPrompt | None:
+        """The prompt an earlier answer left for this request (prompts.fim.Continuation), in the slot it asks for."""
         eng = self.svc.engine()
         for slot, (cont, ip) in list(self.follows.items()):
             if cont.serves(infill) and (c.slot is None or c.slot < 0 or c.slot % len(eng.slots) == slot):
                 del self.follows[slot]
                 new = len(cont.tokens) - eng.slots[slot].cache.shared_prefix(cont.tokens)
-                return dataclasses.replace(ip, tokens=cont.tokens, new_tokens=new), cont.answer_start
+                return dataclasses.replace(ip, tokens=cont.tokens, new_tokens=new)
         return None
 
     async def respond(self, request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,

@@ -18,6 +18,7 @@ from edgespec.decoding.costs import PromptRate
 from edgespec.prompts.fim import NEAR_LINES, Infill, accepted
 
 SOURCE = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(80)]  # 80 two-line functions
+LINES = "".join(SOURCE).splitlines(keepends=True)  # SOURCE line by line
 HEAD = "<|fim_prefix|>"
 
 
@@ -272,8 +273,7 @@ def test_a_warm_request_takes_what_its_slot_serves_in_place_unless_a_move_buys_e
 
 def body_line(y: int) -> dict:
     """A budgeted completion typed at SOURCE's line `y` (a body line), after its indent."""
-    lines = "".join(SOURCE).splitlines(keepends=True)
-    return {"input_prefix": "".join(lines[:y]), "input_suffix": "\n" + "".join(lines[y + 1:y + 20]),
+    return {"input_prefix": "".join(LINES[:y]), "input_suffix": "\n" + "".join(LINES[y + 1:y + 20]),
             "prompt": "    ", "n_predict": 4, "temperature": 0, "t_max_prompt_ms": 300, "t_max_predict_ms": 250}
 
 
@@ -299,7 +299,7 @@ def test_a_cut_context_is_built_aside_afresh_and_the_next_line_starts_there(serv
     kept, cut = nxt["infill"]["prefix_tokens"][0], first["infill"]["prefix_tokens"][0]
     assert kept > max(cut, nxt["infill"]["budget_tokens"]), (first["infill"], nxt["infill"])
     # the cache held the kept lines but the two written since (+ a token where they join): not only the cut ones
-    since = len(tokens(server, "".join("".join(SOURCE).splitlines(keepends=True)[121:123])))
+    since = len(tokens(server, "".join(LINES[121:123])))
     assert nxt["tokens_cached"] > cut and nxt["tokens_cached"] + since + 1 >= kept, (nxt["infill"], nxt["timings"])
 
 
@@ -323,8 +323,7 @@ def test_once_the_slot_holds_an_aside_build_the_next_one_is_wider(qwen_draft_pat
     contexts complete better (docs/bench/editor.md)."""
     from edgespec.engine.infill import ASIDE_FIRST_TOKENS, ASIDE_GROWTH, ASIDE_GROWTH_LEAST, ASIDE_HEAD
 
-    lines = "".join(SOURCE).splitlines(keepends=True)
-    at = lambda y: Infill("".join(lines[:y]), "\n" + "".join(lines[y + 1:y + 5]), "    ")  # noqa: E731
+    at = lambda y: Infill("".join(LINES[:y]), "\n" + "".join(LINES[y + 1:y + 5]), "    ")  # noqa: E731
     turn = lambda ip: GenerationConfig(max_tokens=1, cache_reuse=16, memory=None, slot=ip.slot)  # noqa: E731
     with Engine(EngineConfig(str(qwen_draft_path), proposer="none", load=LoadConfig(n_ctx=4096, aside=1024))) as eng:
         eng.prompt_rate = PromptRate((1, 64), (0.05, 0.4))  # a slow CPU's: 0.5 s buys 74 new tokens

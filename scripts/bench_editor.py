@@ -187,6 +187,8 @@ class Record:
     predicted_n: int | None = None
     drafted: int | None = None  # edgespec's speculation figures, where the response carries them
     accepted: int | None = None
+    # extra chunks the prompt held of those sent (edgespec's `infill.extra_chunks`, where the response carries it)
+    extra_chunks: list[int] | None = None
 
 
 @dataclass
@@ -264,9 +266,10 @@ def _record(kind: str, where: str, data: dict, seconds: float, body: dict, real:
     prompt_ms = data.get("timings/prompt_ms", timings.get("prompt_ms"))
     predicted_ms = data.get("timings/predicted_ms", timings.get("predicted_ms"))
     predicted_n = data.get("timings/predicted_n", timings.get("predicted_n"))
-    spec = data.get("speculative") or {}
+    spec, infill = data.get("speculative") or {}, data.get("infill") or {}
     return Record(kind, where, seconds, prompt_n, cache_n, content, real, limit, agreement(content, real),
-                  prompt_ms, predicted_ms, predicted_n, spec.get("drafted"), spec.get("accepted"))
+                  prompt_ms, predicted_ms, predicted_n, spec.get("drafted"), spec.get("accepted"),
+                  infill.get("extra_chunks"))
 
 
 def turn(peer: Peer, others: list[Peer], fn: Any) -> Any:
@@ -292,7 +295,7 @@ def session(peers: list[Peer], flavour: str, files: list[tuple[Path, int, int]],
         for c in cursors(path, start, n):
             if c.line != last_line:
                 last_line, lines_done = c.line, lines_done + 1
-                if lines_done % ring_every == 1 and (chunk := next(chunks, None)) is not None:
+                if (lines_done - 1) % ring_every == 0 and (chunk := next(chunks, None)) is not None:
                     ring = (ring + [chunk])[-ring_size:]
                     for p in peers:
                         turn(p, [o for o in peers if o is not p], lambda p=p: (time.sleep(think),
@@ -409,6 +412,8 @@ def main() -> None:
                     help="one alone for a quick look at its own records (no ratio: runs are fair only side by side)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "editor.json")
     args = ap.parse_args()
+    if args.ring_every < 1 or args.ring_size < 1:
+        ap.error(f"--ring-every {args.ring_every} and --ring-size {args.ring_size} must be at least 1")
 
     model = fetch(args.model)
     server_bin = tool(SERVER, build=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 from edgespec.config import TIME_LIMIT_GRACE, GenerationConfig
 from edgespec.decoding import loop
@@ -119,6 +119,7 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
     for drafter in _drafters(slot.proposer):
         drafter.cache_reuse, drafter.reuse_anchor = config.cache_reuse, run.anchor
     text, indent = TextStream(run.stop), IndentLimit(config.min_indent)
+    lines = WholeLines(config.time_limit is not None)
     finish: FinishReason = "length"
     steps = run.turns(loop.steps(slot.cache, proposer_for(slot, config), prompt, config, stats, run.cancel,
                                  run.k_max, run.k, reuse=config.reuse_prefix, rules=run.rules,
@@ -130,30 +131,86 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
             now = time.perf_counter()
             t_first = t_first or now
             cycle, t_last = (now - t_last if t_last is not None else 0.0), now
-            delta = []
+            out: list[Token] = []
+            ended: FinishReason | None = None  # where the text or the clock ends the generation here
             for i, t in enumerate(tokens):
                 piece = run.token_bytes(t)
-                delta.append(indent.push(text.push(piece)))
-                due = config.deadline is not None and now + cycle > config.deadline
-                late = due or config.time_limit is not None and (
-                    now + cycle - t_first > config.time_limit + min(config.time_limit, TIME_LIMIT_GRACE) or
-                    b"\n" in piece and now - t_first > config.time_limit)
-                if text.stopped or indent.stopped or late:  # nothing after the end is emitted
-                    tokens, from_draft = tokens[: i + 1], from_draft[: i + 1]
-                    probs = None if probs is None else probs[: i + 1]
-                    done = "stop" if text.stopped else "length"
+                for token in lines.push(Token(t, from_draft[i], None if probs is None else probs[i], piece)):
+                    if not (text.stopped or indent.stopped):
+                        out.append(token._replace(text=indent.push(text.push(token.piece))))
+                if text.stopped or indent.stopped or _late(config, now, cycle, t_first, piece):
+                    ended = "stop" if text.stopped else "length"
                     break
-            drafted = len("".join(delta[:sum(from_draft)]))
-            if done is not None:
-                finish = done
-                delta.append(indent.push(text.flush()) + indent.flush())
-                yield Chunk("".join(delta), tokens, from_draft, logprobs=probs, draft_chars=drafted)
+            else:
+                if lines.held and config.time_limit is not None and now - t_first > config.time_limit:
+                    ended = "length"  # the line under way at the limit, after a whole one: dropped
+            if ended is None and done is not None:  # the model's own end: the line it was writing goes out
+                out += [tk._replace(text=indent.push(text.push(tk.piece))) for tk in lines.release()]
+            drafted = sum(len(tk.text) for tk in out if tk.from_draft)
+            chunk = Chunk("".join(tk.text for tk in out), [tk.id for tk in out], [tk.from_draft for tk in out],
+                          logprobs=None if probs is None else [tk.prob for tk in out], draft_chars=drafted)
+            if (ended or done) is not None:
+                finish = ended or done
+                chunk.text += indent.push(text.flush()) + indent.flush()
+                yield chunk
                 break
-            yield Chunk("".join(delta), tokens, from_draft, logprobs=probs, draft_chars=drafted)
+            yield chunk
     finally:
         steps.close()
     full = finish == "length" and len(prompt) + stats.completion_tokens >= slot.cache.n_ctx
     yield Chunk("", [], [], finish, stats, text.matched, full, slot.index)
+
+
+def _late(config: GenerationConfig, now: float, cycle: float, t_first: float, piece: bytes) -> bool:
+    """Whether the clock ends the generation at a token of `piece` committed at `now`: the deadline, or
+    t_max_predict_ms (a newline past it, or a line past it by TIME_LIMIT_GRACE, as long again at most)."""
+    if config.deadline is not None and now + cycle > config.deadline:
+        return True
+    limit = config.time_limit
+    return limit is not None and (now + cycle - t_first > limit + min(limit, TIME_LIMIT_GRACE) or
+                                  b"\n" in piece and now - t_first > limit)
+
+
+class Token(NamedTuple):
+    id: int
+    from_draft: bool
+    prob: TokenLogprob | None
+    piece: bytes
+    text: str = ""  # what the text filters released for it (stop strings, indentation)
+
+
+class WholeLines:
+    """Under a time limit (t_max_predict_ms), the tokens of the line under way once a line with text in it has
+    ended: the limit drops that line instead of waiting for its end, as llama.cpp does, so an editor's answer
+    comes at its limit and in whole lines."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+        self.whole = False  # a line other than a blank one has gone out
+        self.held: list[Token] = []
+        self._line = b""  # what went out since the last newline
+
+    def push(self, token: Token) -> list[Token]:
+        """The tokens that may go out now, `token` last."""
+        if not (self.active and self.whole):
+            self._out(token.piece)
+            return [token]
+        self.held.append(token)
+        return self.release() if b"\n" in token.piece else []
+
+    def release(self) -> list[Token]:
+        out, self.held = self.held, []
+        for token in out:
+            self._out(token.piece)
+        return out
+
+    def _out(self, piece: bytes) -> None:
+        head, newline, tail = piece.rpartition(b"\n")
+        if newline:
+            self.whole = self.whole or bool((self._line + head).strip())
+            self._line = tail
+        else:
+            self._line += piece
 
 
 def _drafters(proposer: Proposer | None) -> list[DraftProposer]:

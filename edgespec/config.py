@@ -50,6 +50,9 @@ FIM_LAYOUTS = ("prefix", "middle")  # where /infill puts the typed part of the c
 DEFAULT_FIM_LAYOUT = "prefix"
 # Seconds past GenerationConfig.time_limit that a line may run before it is cut: as long again, at most this.
 TIME_LIMIT_GRACE = 0.5
+# Visible characters an answer's whole lines must hold before its time limit drops the line under way instead of
+# waiting for its end (engine.generation.WholeLines): a closing bracket alone is no answer worth the next line.
+WHOLE_LINES_MIN_CHARS = 4
 # An /infill sent with both editor budgets (t_max_prompt_ms, t_max_predict_ms) is due this long after their sum,
 # counted from its arrival (GenerationConfig.deadline; no cycle starts that would end past it, as long as the last
 # one): the response fits in the second the editor's user is promised past the budgets, with 0.4 s of it left for

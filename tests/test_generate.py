@@ -171,28 +171,31 @@ def test_no_cycle_starts_that_would_end_past_the_time_limit_cap(smollm_path, mon
         assert capped.tokens == free.tokens[:5] and capped.finish_reason == "length"  # first token at 0, last at 0.5
 
 
-@pytest.mark.parametrize("prompt, whole", [("Q: What is 2+2?\nA: 4\nQ: What is the capital of France?\nA:", True),
+@pytest.mark.parametrize("prompt, whole", [("Items:\n- apples\n- pears\n- plums\n", True),
+                                           ("Q: What is 2+2?\nA: 4\nQ: What is the capital of France?\nA:", False),
                                            ("x = 1\ny = 2\nz = 3\n", False)])
-def test_past_the_time_limit_the_line_under_way_after_a_whole_line_is_dropped(smollm_path, monkeypatch, prompt,
-                                                                              whole):
-    """Past t_max_predict_ms, once a line with text in it has ended, the line under way is dropped, not run on to
-    its end or the cap: the answer comes at the limit in whole lines. On a clock where every cycle takes 125 ms,
-    the limit falls just after the first line's newline (token j); a blank first line runs on to the cap."""
+def test_past_the_time_limit_the_line_under_way_after_whole_lines_is_dropped(smollm_path, monkeypatch, prompt,
+                                                                             whole):
+    """Past t_max_predict_ms, once whole lines with WHOLE_LINES_MIN_CHARS visible characters have ended, the line
+    under way is dropped, not run on to its end or the cap: the answer comes at the limit in whole lines. On a clock
+    where every cycle takes 125 ms, the limit falls just after the first line's newline (token j); a first line
+    with less text (a number, a blank line) runs on to the cap as before."""
     import itertools
     import types
 
+    from edgespec.config import WHOLE_LINES_MIN_CHARS
     from edgespec.engine import generation
 
     with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512)) as e:
         free = e.generate(prompt, GenerationConfig(max_tokens=16))
-        ends = [j for j in range(len(free.tokens)) if e.target.detokenize(free.tokens[:j + 1]).endswith("\n")]
-        j = ends[0]
-        assert bool(e.target.detokenize(free.tokens[:j]).strip()) == whole  # the first line: text, or blank
-        assert "\n" not in e.target.detokenize(free.tokens[j + 1:j + 6])  # the next line runs on past the cap
+        text = lambda tokens: e.target.detokenize(tokens)  # noqa: E731
+        j = next(j for j in range(len(free.tokens)) if text(free.tokens[:j + 1]).endswith("\n"))
+        assert (len("".join(text(free.tokens[:j]).split())) >= WHOLE_LINES_MIN_CHARS) == whole
+        cap = 2 * j + 2  # tokens up to the cap, as long again past the limit: no cycle starts that would end past it
+        assert "\n" not in text(free.tokens[j + 1:j + 2 if whole else cap])  # no newline ends it first
         ticks = itertools.count()
         monkeypatch.setattr(generation, "time", types.SimpleNamespace(perf_counter=lambda: 1 + next(ticks) * 0.125))
         limited = e.generate(prompt, GenerationConfig(max_tokens=16, time_limit=(j + 0.5) * 0.125))
-        cap = 2 * j + 2  # tokens up to the cap, as long again past the limit: no cycle starts that would end past it
         assert limited.tokens == free.tokens[:j + 1 if whole else cap] and limited.finish_reason == "length"
 
 

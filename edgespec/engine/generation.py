@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple, Sequence
 
-from edgespec.config import TIME_LIMIT_GRACE, GenerationConfig
+from edgespec.config import TIME_LIMIT_GRACE, WHOLE_LINES_MIN_CHARS, GenerationConfig
 from edgespec.decoding import loop
 from edgespec.decoding.loop import FinishReason, Stats
 from edgespec.decoding.rules import Rules
@@ -180,15 +180,16 @@ class Token(NamedTuple):
 
 
 class WholeLines:
-    """Under a time limit (t_max_predict_ms), the tokens of the line under way once a line with text in it has
-    ended: the limit drops that line instead of waiting for its end, as llama.cpp does, so an editor's answer
-    comes at its limit and in whole lines."""
+    """Under a time limit (t_max_predict_ms), the tokens of the line under way once whole lines with text in them
+    (WHOLE_LINES_MIN_CHARS) have gone out: the limit drops that line instead of waiting for its end, as llama.cpp
+    does, so an editor's answer comes at its limit and in whole lines."""
 
     def __init__(self, active: bool) -> None:
         self.active = active
-        self.whole = False  # a line other than a blank one has gone out
+        self.whole = False  # whole lines with enough text in them have gone out
         self.held: list[Token] = []
         self._line = b""  # what went out since the last newline
+        self._shown = 0  # visible bytes of the whole lines that went out
 
     def push(self, token: Token) -> list[Token]:
         """The tokens that may go out now, `token` last."""
@@ -207,8 +208,8 @@ class WholeLines:
     def _out(self, piece: bytes) -> None:
         head, newline, tail = piece.rpartition(b"\n")
         if newline:
-            self.whole = self.whole or bool((self._line + head).strip())
-            self._line = tail
+            self._shown += len(b"".join((self._line + head).split()))
+            self.whole, self._line = self._shown >= WHOLE_LINES_MIN_CHARS, tail
         else:
             self._line += piece
 

@@ -197,9 +197,10 @@ class GenerationConfig:
     # takes effect within one: background warm-ups use small ones.
     prompt_batch: int | None = None
     # llama.cpp's t_max_predict_ms, in seconds: once this much time has passed since the first token,
-    # the next token holding a newline ends the generation ("length"); no cycle starts that would end as long again
-    # later (TIME_LIMIT_GRACE at most), since an editor waits on its answer, not on a line that runs on (llama.cpp
-    # waits for the newline).
+    # the next token holding a newline ends the generation ("length"), or at once, the line under way dropped, where
+    # whole lines with WHOLE_LINES_MIN_CHARS came; no cycle starts that would end as long again later
+    # (TIME_LIMIT_GRACE at most), since an editor waits on its answer, not on a line that runs on (llama.cpp waits
+    # for the newline).
     time_limit: float | None = None
     # time.perf_counter() by which the answer is due (an editor's budgets from the request's arrival): a token after
     # which another cycle as long as the last would end past it ends the generation ("length"), whatever time_limit

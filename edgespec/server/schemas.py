@@ -24,6 +24,7 @@ from edgespec.config import (
     MAX_LOGPROBS,
     MEMORY_LOCAL,
     PROPOSERS,
+    WHOLE_LINES_MIN_CHARS,
     GenerationConfig,
     SamplingConfig,
 )
@@ -91,10 +92,11 @@ FIELDS: dict[str, Field] = {
     "max_tokens": Field("as n_predict (llama.cpp reads n_predict, then max_completion_tokens, then max_tokens)"),
     "max_completion_tokens": Field("as n_predict"),
     "stop": Field("up to 16 strings; the text ends before the first one"),
-    "t_max_predict_ms": Field("once this many ms have passed since the first token, the next newline ends it; no "
-                              "cycle starts that would end as long again later (half a second at most); an /infill "
-                              f"with t_max_prompt_ms too ends before a cycle that would end {ANSWER_SLACK:g} s past "
-                              "both budgets from its arrival"),
+    "t_max_predict_ms": Field("once this many ms have passed since the first token, the next newline ends it, or "
+                              f"at once where whole lines with {WHOLE_LINES_MIN_CHARS} visible characters came (the "
+                              "line under way is dropped); no cycle starts that would end as long again later (half "
+                              "a second at most); an /infill with t_max_prompt_ms too ends before a cycle that would "
+                              f"end {ANSWER_SLACK:g} s past both budgets from its arrival"),
     "n_indent": Field("a line after the first with less indentation than this ends it (not streamed)"),
     # -- sampling ---------------------------------------------------------------------------------------------
     "temperature": Field("0 or less is greedy; at most 100"),

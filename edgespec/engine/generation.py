@@ -38,9 +38,10 @@ class Chunk:
     truncated: bool = False  # last chunk: it ended because the context was full
     slot: int = -1  # last chunk: the slot it ran in
     logprobs: list[TokenLogprob] | None = None  # per token, when the generation asked for them
-    # Leading characters of `text` released by tokens from an accepted proposal (a cycle commits its accepted
-    # drafts before the target's own token). Text held back before (a possible stop string, a split UTF-8
-    # character) counts with the token that releases it.
+    # Characters of `text` released by tokens from an accepted proposal: they lead it, as a cycle commits its
+    # accepted drafts before the target's own token (but for a line a time limit held back, which goes out ahead of
+    # them). Text held back before (a possible stop string, a split UTF-8 character) counts with the token that
+    # releases it.
     draft_chars: int = 0
 
 
@@ -143,8 +144,8 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
                     break
             else:
                 if lines.held and config.time_limit is not None and now - t_first > config.time_limit:
-                    ended = "length"  # the line under way at the limit, after a whole one: dropped
-            if ended is None and done is not None:  # the model's own end: the line it was writing goes out
+                    ended = "length"  # the line under way at the limit, after whole lines: dropped
+            if ended is None and done is not None:  # the loop's end (end of text, max_tokens): the line goes out
                 out += [tk._replace(text=indent.push(text.push(tk.piece))) for tk in lines.release()]
             drafted = sum(len(tk.text) for tk in out if tk.from_draft)
             chunk = Chunk("".join(tk.text for tk in out), [tk.id for tk in out], [tk.from_draft for tk in out],
@@ -181,8 +182,8 @@ class Token(NamedTuple):
 
 class WholeLines:
     """Under a time limit (t_max_predict_ms), the tokens of the line under way once whole lines with text in them
-    (WHOLE_LINES_MIN_CHARS) have gone out: the limit drops that line instead of waiting for its end, as llama.cpp
-    does, so an editor's answer comes at its limit and in whole lines."""
+    (WHOLE_LINES_MIN_CHARS) have gone out: the limit drops that line instead of waiting for its end (llama.cpp
+    waits), so an editor's answer comes at its limit and in whole lines."""
 
     def __init__(self, active: bool) -> None:
         self.active = active

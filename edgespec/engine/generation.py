@@ -136,9 +136,8 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
             ended: FinishReason | None = None  # where the text or the clock ends the generation here
             for i, t in enumerate(tokens):
                 piece = run.token_bytes(t)
-                for token in lines.push(Token(t, from_draft[i], None if probs is None else probs[i], piece)):
-                    if not (text.stopped or indent.stopped):
-                        out.append(token._replace(text=indent.push(text.push(token.piece))))
+                out += _filtered(lines.push(Token(t, from_draft[i], None if probs is None else probs[i], piece)),
+                                 text, indent)
                 if text.stopped or indent.stopped or _late(config, now, cycle, t_first, piece):
                     ended = "stop" if text.stopped else "length"
                     break
@@ -146,7 +145,7 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
                 if lines.held and config.time_limit is not None and now - t_first > config.time_limit:
                     ended = "length"  # the line under way at the limit, after whole lines: dropped
             if ended is None and done is not None:  # the loop's end (end of text, max_tokens): the line goes out
-                out += [tk._replace(text=indent.push(text.push(tk.piece))) for tk in lines.release()]
+                out += _filtered(lines.release(), text, indent)
             drafted = sum(len(tk.text) for tk in out if tk.from_draft)
             chunk = Chunk("".join(tk.text for tk in out), [tk.id for tk in out], [tk.from_draft for tk in out],
                           logprobs=None if probs is None else [tk.prob for tk in out], draft_chars=drafted)
@@ -172,6 +171,12 @@ def _late(config: GenerationConfig, now: float, cycle: float, t_first: float, pi
                                   b"\n" in piece and now - t_first > limit)
 
 
+def _filtered(tokens: list[Token], text: TextStream, indent: IndentLimit) -> list[Token]:
+    """`tokens` with what the text filters release for each (stop strings, indentation); none after an end they
+    find."""
+    return [tk._replace(text=indent.push(text.push(tk.piece))) for tk in tokens if not (text.stopped or indent.stopped)]
+
+
 class Token(NamedTuple):
     id: int
     from_draft: bool
@@ -187,32 +192,36 @@ class WholeLines:
 
     def __init__(self, active: bool) -> None:
         self.active = active
-        self.whole = False  # whole lines with enough text in them have gone out
         self.held: list[Token] = []
-        self._line = b""  # what went out since the last newline
         self._shown = 0  # visible bytes of the whole lines that went out
+        self._line = 0  # visible bytes that went out since the last newline
+
+    @property
+    def whole(self) -> bool:
+        """Whole lines with enough text in them have gone out."""
+        return self._shown >= WHOLE_LINES_MIN_CHARS
 
     def push(self, token: Token) -> list[Token]:
         """The tokens that may go out now, `token` last."""
-        if not (self.active and self.whole):
-            self._out(token.piece)
+        if not self.active:
+            return [token]
+        if not self.whole:
+            head, newline, tail = token.piece.rpartition(b"\n")
+            if newline:
+                self._shown, self._line = self._shown + self._line + _visible(head), _visible(tail)
+            else:
+                self._line += _visible(tail)
             return [token]
         self.held.append(token)
         return self.release() if b"\n" in token.piece else []
 
     def release(self) -> list[Token]:
         out, self.held = self.held, []
-        for token in out:
-            self._out(token.piece)
         return out
 
-    def _out(self, piece: bytes) -> None:
-        head, newline, tail = piece.rpartition(b"\n")
-        if newline:
-            self._shown += len(b"".join((self._line + head).split()))
-            self.whole, self._line = self._shown >= WHOLE_LINES_MIN_CHARS, tail
-        else:
-            self._line += piece
+
+def _visible(data: bytes) -> int:
+    return len(b"".join(data.split()))
 
 
 def _drafters(proposer: Proposer | None) -> list[DraftProposer]:

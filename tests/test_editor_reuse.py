@@ -53,8 +53,9 @@ def test_a_cold_request_with_a_budget_cuts_its_context_and_says_so(server):
                   "".join(body["input_suffix"].splitlines(keepends=True)[:2]))
     assert out["timings"]["prompt_n"] <= max(out["infill"]["budget_tokens"] + 1, len(near) + 16), out  # + FIM tokens
     # asked again, it keeps what the cache now holds and spends its budget on more lines: the context widens (once
-    # the cached lines make a run long enough to move, INFILL_CACHE_REUSE tokens: so with a second wider budget)
-    wider = {**body, "t_max_prompt_ms": 1500}
+    # the cached lines make a run long enough to move, INFILL_CACHE_REUSE tokens: so with a second wider budget, scaled
+    # to what 300 ms bought here so that it buys about 160 tokens on any CPU, past MOVE_MIN_GAIN after a move)
+    wider = {**body, "t_max_prompt_ms": max(1500, round(160 * 300 / max(out["infill"]["budget_tokens"], 1)))}
     first = httpx.post(server.url + "/infill", json=wider, timeout=300).json()
     again = httpx.post(server.url + "/infill", json=wider, timeout=300).json()
     if again["infill"]["budget_tokens"] >= 16:  # a line's worth at the least (not on a very slow machine)
@@ -295,7 +296,10 @@ def test_a_cut_context_is_built_aside_afresh_and_the_next_line_starts_there(serv
             break
         time.sleep(0.1)
     assert builds_done(server) > done
-    nxt = httpx.post(server.url + "/infill", json=body_line(123), timeout=300).json()  # the next function's body line
+    # the next function's body line, its budget scaled to what 300 ms bought here: about 48 tokens on any CPU, more
+    # than the aside leaves to evaluate (the lines written since, the typed text, the suffix)
+    budget_ms = max(300, round(48 * 300 / max(first["infill"]["budget_tokens"], 1)))
+    nxt = httpx.post(server.url + "/infill", json={**body_line(123), "t_max_prompt_ms": budget_ms}, timeout=300).json()
     kept, cut = nxt["infill"]["prefix_tokens"][0], first["infill"]["prefix_tokens"][0]
     assert kept > max(cut, nxt["infill"]["budget_tokens"]), (first["infill"], nxt["infill"])
     # the cache held the kept lines but the two written since (+ a token where they join): not only the cut ones

@@ -39,6 +39,12 @@ def tokens(server, text: str) -> list[int]:
     return httpx.post(server.url + "/tokenize", json={"content": text}, timeout=60).json()["tokens"]
 
 
+def budget_buying(n: int, asked: dict, answer: dict, least: int) -> int:
+    """A t_max_prompt_ms that buys about `n` new tokens at the price this CPU showed for `answer` (a budgeted /infill
+    sent as `asked`), `least` at the least: a test's second budget, so a slow or busy machine still buys them."""
+    return max(least, round(n * asked["t_max_prompt_ms"] / max(answer["infill"]["budget_tokens"], 1)))
+
+
 def test_a_cold_request_with_a_budget_cuts_its_context_and_says_so(server):
     """First, while the cache is cold: 300 ms buys a few dozen tokens, so most of 160 lines are cut and reported."""
     body = {"input_prefix": "".join(SOURCE), "input_suffix": "\n".join(SOURCE[:20]), "prompt": "    ",
@@ -53,9 +59,9 @@ def test_a_cold_request_with_a_budget_cuts_its_context_and_says_so(server):
                   "".join(body["input_suffix"].splitlines(keepends=True)[:2]))
     assert out["timings"]["prompt_n"] <= max(out["infill"]["budget_tokens"] + 1, len(near) + 16), out  # + FIM tokens
     # asked again, it keeps what the cache now holds and spends its budget on more lines: the context widens (once
-    # the cached lines make a run long enough to move, INFILL_CACHE_REUSE tokens: so with a second wider budget, scaled
-    # to what 300 ms bought here so that it buys about 160 tokens on any CPU, past MOVE_MIN_GAIN after a move)
-    wider = {**body, "t_max_prompt_ms": max(1500, round(160 * 300 / max(out["infill"]["budget_tokens"], 1)))}
+    # the cached lines make a run long enough to move, INFILL_CACHE_REUSE tokens: so with a second wider budget, one
+    # that buys past MOVE_MIN_GAIN after a move)
+    wider = {**body, "t_max_prompt_ms": budget_buying(160, body, out, least=1500)}
     first = httpx.post(server.url + "/infill", json=wider, timeout=300).json()
     again = httpx.post(server.url + "/infill", json=wider, timeout=300).json()
     if again["infill"]["budget_tokens"] >= 16:  # a line's worth at the least (not on a very slow machine)
@@ -296,10 +302,10 @@ def test_a_cut_context_is_built_aside_afresh_and_the_next_line_starts_there(serv
             break
         time.sleep(0.1)
     assert builds_done(server) > done
-    # the next function's body line, its budget scaled to what 300 ms bought here: about 48 tokens on any CPU, more
-    # than the aside leaves to evaluate (the lines written since, the typed text, the suffix)
-    budget_ms = max(300, round(48 * 300 / max(first["infill"]["budget_tokens"], 1)))
-    nxt = httpx.post(server.url + "/infill", json={**body_line(123), "t_max_prompt_ms": budget_ms}, timeout=300).json()
+    # the next function's body line, with a budget for more than the aside leaves to evaluate (the lines written
+    # since, the typed text, the suffix)
+    budget = budget_buying(48, body_line(121), first, least=300)
+    nxt = httpx.post(server.url + "/infill", json={**body_line(123), "t_max_prompt_ms": budget}, timeout=300).json()
     kept, cut = nxt["infill"]["prefix_tokens"][0], first["infill"]["prefix_tokens"][0]
     assert kept > max(cut, nxt["infill"]["budget_tokens"]), (first["infill"], nxt["infill"])
     # the cache held the kept lines but the two written since (+ a token where they join): not only the cut ones

@@ -72,6 +72,16 @@ def test_fit_keeps_the_lines_nearest_the_cursor_within_the_new_token_budget():
     assert cut.tokens[1:5] == chars("p30\n") and cut.tokens[-5:-1] == chars(f"s{SUFFIX_LINES - 1:02d}\n")
 
 
+def test_blank_lines_after_the_cursor_line_do_not_count_against_the_suffix_lines():
+    fim = FimPrompt(PLAIN, chars)
+    prefix = "".join(f"p{i:02d}\n" for i in range(40))
+    suffix = "\n\n  \n" + "".join(f"s{i:02d}\n" for i in range(40))  # the cursor line's rest, 2 blank lines, text
+    cut = fim.fit(Infill(prefix, suffix), room=10_000, max_new=3 + 4 * 10 + 6 * SUFFIX_LINES)
+    assert cut.kept.cut and fim.vocab.fim_suf in cut.tokens
+    held = cut.tokens[cut.tokens.index(fim.vocab.fim_suf) + 1:-1]
+    assert held == chars("\n\n  \n" + "".join(f"s{i:02d}\n" for i in range(SUFFIX_LINES - 1)))
+
+
 def test_fit_counts_only_what_the_cache_cannot_reuse():
     fim = FimPrompt(PLAIN, chars)
     infill = Infill("".join(f"p{i:02d}\n" for i in range(40)), "")

@@ -14,6 +14,7 @@ nearest the cursor first, as many as a budget of newly evaluated tokens allows.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence, TypeVar
@@ -32,6 +33,7 @@ FIT_STEPS = 256  # resolution of the search over how many lines to keep: a step 
 NEAR_LINES = 8
 # Suffix lines a budgeted prompt takes at most: past the cursor nothing moved is reused (cursor_anchor), so the suffix
 # is evaluated again on every keystroke, and a completion's first line needs little more than the lines after it.
+# Blank lines after the cursor line's rest are not counted: a token each, and the line after them says what comes.
 SUFFIX_LINES = 2
 HELD_LINES = 8  # lines at the start of a cached prompt's lines that locate it in a request's (lines_start)
 ANCHOR_SCAN = 512  # tokens before the cursor searched for the line before it (cursor_anchor); a longer line ends it
@@ -326,12 +328,22 @@ class Fitted:
 
 
 def _share(infill: Infill, step: int, extra: int | None, suffix_cap: int | None = SUFFIX_LINES) -> Take:
-    """`step`/FIT_STEPS of each side's lines, nearest first (of the suffix's, `suffix_cap` at most), and the `extra`
-    latest chunks."""
+    """`step`/FIT_STEPS of each side's lines, nearest first (of the suffix's, `suffix_cap` at most, blank lines after
+    the cursor line's rest not counted), and the `extra` latest chunks."""
     n_pre = math.ceil(step * len(infill.prefix.splitlines()) / FIT_STEPS)
-    n_suf = math.ceil(step * len(infill.suffix.splitlines()) / FIT_STEPS)
+    through = _counted_lines(infill.suffix)
+    n_suf = math.ceil(step * len(through) / FIT_STEPS)
     n_suf = n_suf if suffix_cap is None else min(n_suf, suffix_cap)
-    return Take(n_pre, n_suf, extra)
+    return Take(n_pre, through[n_suf - 1] if n_suf else 0, extra)
+
+
+@functools.lru_cache(maxsize=16)
+def _counted_lines(suffix: str) -> tuple[int, ...]:
+    """For each counted line of `suffix` (its first, the cursor line's rest, then each line with text), how many of
+    its lines a prompt takes to hold it; the blank lines at its end come with the last."""
+    lines = suffix.splitlines()
+    through = [i + 1 for i, line in enumerate(lines) if i == 0 or line.strip()]
+    return (*through[:-1], len(lines)) if through else ()
 
 
 def _largest(top: int, build: Callable[[int], T | None]) -> tuple[int, T | None]:

@@ -6,8 +6,8 @@ import pytest
 from edgespec.decoding import reuse
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
 from edgespec.gguf import Vocab
-from edgespec.prompts.fim import (NEAR_LINES, SUFFIX_LINES, FimPrompt, Infill, Take, accepted, continuation,
-                                  cursor_anchor)
+from edgespec.prompts.fim import (NEAR_LINES, SUFFIX_LINES, TAIL_STEP, FimPrompt, Infill, Take, accepted,
+                                  continuation, cursor_anchor)
 
 PRE, SUF, MID, REP, SEP = 1001, 1002, 1003, 1004, 1005
 QWEN_LIKE = Vocab(n_tokens=2000, type=2, bos=None, eos=1, add_bos=False, fim_pre=PRE, fim_suf=SUF,
@@ -80,6 +80,23 @@ def test_blank_lines_after_the_cursor_line_do_not_count_against_the_suffix_lines
     assert cut.kept.cut and fim.vocab.fim_suf in cut.tokens
     held = cut.tokens[cut.tokens.index(fim.vocab.fim_suf) + 1:-1]
     assert held == chars("\n\n  \n" + "".join(f"s{i:02d}\n" for i in range(SUFFIX_LINES - 1)))
+
+
+def test_a_line_too_long_for_the_budget_is_cut_from_its_end_in_whole_steps():
+    """llama.cpp cuts the prefix at a token; a budget that cannot take the line before the cursor keeps its end rather
+    than nothing, and a request after it (the cut cached) keeps the same end."""
+    fim = FimPrompt(PLAIN, chars)
+    long_line = "x" * 200 + "END\n"
+    infill = Infill("short\n" + long_line, "\ns1\n", "  ")
+    cold = fim.fit(infill, room=10_000, max_new=60, near_most=80)
+    pre = cold.tokens[1:cold.tokens.index(SUF) - 2]
+    assert pre == chars(long_line)[-len(pre):] and len(pre) % TAIL_STEP == 0 and 0 < len(pre) <= 80
+    assert cold.tokens[cold.tokens.index(SUF):] == [SUF, *chars("\ns1\n"), MID] and cold.kept.cut
+    cached = cold.tokens[:-1]
+    warm = fim.fit(Infill(infill.prefix, infill.suffix, "  y"), room=10_000, max_new=10, near_most=20,
+                   new_tokens=lambda t: len(t) - reuse.common_prefix(cached, t))
+    assert warm.tokens[:len(pre) + 1] == cold.tokens[:len(pre) + 1]
+    assert fim.fit(infill, room=10_000).kept.prefix_tokens == (210, 210)  # no budget: whole lines, as before
 
 
 def test_fit_counts_only_what_the_cache_cannot_reuse():

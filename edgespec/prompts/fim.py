@@ -35,6 +35,9 @@ NEAR_LINES = 8
 # is evaluated again on every keystroke, and a completion's first line needs little more than the lines after it.
 # Blank lines after the cursor line's rest are not counted: a token each, and the line after them says what comes.
 SUFFIX_LINES = 2
+# Tokens at a time a line too long for the budget is cut by from its end (FimPrompt._tail): whole steps, so the
+# next request at the cursor finds the same cut cached.
+TAIL_STEP = 16
 HELD_LINES = 8  # lines at the start of a cached prompt's lines that locate it in a request's (lines_start)
 ANCHOR_SCAN = 512  # tokens before the cursor searched for the line before it (cursor_anchor); a longer line ends it
 T = TypeVar("T")
@@ -216,6 +219,8 @@ class FimPrompt:
 
         also = (near, *(_steps_for(k, n_lines) for k in starts)) if max_new is not None else ()
         step, built = _widest(FIT_STEPS, affordable, also)
+        if step == 0 and (tail := self._tail(infill, room, max_new, near_most, new_tokens)) is not None:
+            return tail
         if built is None:  # not even the nearest lines fit the room: the typed text alone, over the budget
             if (built := fits(Take(0, 0, 0), None)) is None:
                 alone = len(self.tokens(infill, Take(0, 0, 0))[0])
@@ -230,6 +235,26 @@ class FimPrompt:
         n_extra, with_extra = _largest(len(infill.extra), lambda e: fits(_share(infill, step, e, cap), max_new))
         prompt, pre, suf = with_extra or built
         return Fitted(prompt, self.kept(infill, pre, suf, n_extra), step, n_extra)
+
+    def _tail(self, infill: Infill, room: int, max_new: int | None, near_most: int | None,
+              new_tokens: Callable[[list[int]], int]) -> Fitted | None:
+        """Where not even the line before the cursor fits a budget (a very long one): its end, cut at a token as
+        llama.cpp cuts, TAIL_STEP tokens at a time (the next request finds the same cut cached), as much as the
+        nearest lines may take (fit's `max_new`, `near_most`), with the suffix's nearest lines where they fit too;
+        None without a budget or where no step of it fits."""
+        if max_new is None or not (lines := infill.prefix.splitlines(keepends=True)):
+            return None
+        most = max(max_new, near_most or 0)
+        last, typed = self._cut(infill.prefix, lines, len(lines) - 1, len(lines)), self.tokenize(infill.typed)
+        suffix, through = infill.suffix.splitlines(keepends=True), _counted_lines(infill.suffix)
+        for n_suf in dict.fromkeys([through[min(SUFFIX_LINES, len(through)) - 1] if through else 0, 0]):
+            suf = self._cut(infill.suffix, suffix, 0, n_suf)
+            for k in range(min((len(last) - 1) // TAIL_STEP, room // TAIL_STEP), 0, -1):  # the widest first
+                pre = last[len(last) - k * TAIL_STEP:]
+                prompt = self.assemble(self.head(()), pre, typed, suf)
+                if len(prompt) <= room and new_tokens(prompt) <= most:
+                    return Fitted(prompt, self.kept(infill, pre, suf, 0), 0, 0)
+        return None
 
     def stable(self, infill: Infill, first: int, most: int, held: str = "") -> tuple[list[int], str]:
         """The start of `infill`'s prompts that stays while the cursor moves on down (the head without extra chunks,

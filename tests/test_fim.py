@@ -86,16 +86,16 @@ def test_a_line_too_long_for_the_budget_is_cut_from_its_end_in_whole_steps():
     """llama.cpp cuts the prefix at a token; a budget that cannot take the line before the cursor keeps its end rather
     than nothing, and a request after it (the cut cached) keeps the same end."""
     fim = FimPrompt(PLAIN, chars)
-    long_line = "x" * 200 + "END\n"
+    long_line = "".join(chr(97 + i % 26) for i in range(200)) + "END\n"
     infill = Infill("short\n" + long_line, "\ns1\n", "  ")
     cold = fim.fit(infill, room=10_000, max_new=60, near_most=80)
     pre = cold.tokens[1:cold.tokens.index(SUF) - 2]
     assert pre == chars(long_line)[-len(pre):] and len(pre) % TAIL_STEP == 0 and 0 < len(pre) <= 80
     assert cold.tokens[cold.tokens.index(SUF):] == [SUF, *chars("\ns1\n"), MID] and cold.kept.cut
     cached = cold.tokens[:-1]
-    warm = fim.fit(Infill(infill.prefix, infill.suffix, "  y"), room=10_000, max_new=10, near_most=20,
+    warm = fim.fit(Infill(infill.prefix, infill.suffix, "  y"), room=10_000, max_new=10, near_most=50,
                    new_tokens=lambda t: len(t) - reuse.common_prefix(cached, t))
-    assert warm.tokens[:len(pre) + 1] == cold.tokens[:len(pre) + 1]
+    assert warm.tokens[:len(pre) + 1] == cold.tokens[:len(pre) + 1] and len(pre) > 50  # fresh, it would not fit
     assert fim.fit(infill, room=10_000).kept.prefix_tokens == (210, 210)  # no budget: whole lines, as before
 
 

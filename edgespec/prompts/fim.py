@@ -249,7 +249,9 @@ class FimPrompt:
         suffix, through = infill.suffix.splitlines(keepends=True), _counted_lines(infill.suffix)
         for n_suf in dict.fromkeys([through[min(SUFFIX_LINES, len(through)) - 1] if through else 0, 0]):
             suf = self._cut(infill.suffix, suffix, 0, n_suf)
-            for k in range(min((len(last) - 1) // TAIL_STEP, room // TAIL_STEP), 0, -1):  # the widest first
+            # the widest first, from twice what the budget buys fresh: a cut the cache holds was sized to a budget
+            # like this one, and a line of thousands of tokens (minified code) is not priced step by step
+            for k in range(min(len(last) - 1, room, 2 * most) // TAIL_STEP, 0, -1):
                 pre = last[len(last) - k * TAIL_STEP:]
                 prompt = self.assemble(self.head(()), pre, typed, suf)
                 if len(prompt) <= room and new_tokens(prompt) <= most:

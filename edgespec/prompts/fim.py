@@ -246,14 +246,14 @@ class FimPrompt:
             return None
         most = max(max_new, near_most or 0)
         last, typed = self._cut(infill.prefix, lines, len(lines) - 1, len(lines)), self.tokenize(infill.typed)
-        suffix, through = infill.suffix.splitlines(keepends=True), _counted_lines(infill.suffix)
-        for n_suf in dict.fromkeys([through[min(SUFFIX_LINES, len(through)) - 1] if through else 0, 0]):
+        head, suffix = self.head(()), infill.suffix.splitlines(keepends=True)
+        for n_suf in dict.fromkeys([_share(infill, FIT_STEPS, 0).suffix_lines or 0, 0]):  # its nearest, or none
             suf = self._cut(infill.suffix, suffix, 0, n_suf)
             # the widest first, from twice what the budget buys fresh: a cut the cache holds was sized to a budget
             # like this one, and a line of thousands of tokens (minified code) is not priced step by step
             for k in range(min(len(last) - 1, room, 2 * most) // TAIL_STEP, 0, -1):
                 pre = last[len(last) - k * TAIL_STEP:]
-                prompt = self.assemble(self.head(()), pre, typed, suf)
+                prompt = self.assemble(head, pre, typed, suf)
                 if len(prompt) <= room and new_tokens(prompt) <= most:
                     return Fitted(prompt, self.kept(infill, pre, suf, 0), 0, 0)
         return None

@@ -278,6 +278,27 @@ def test_a_warm_request_takes_what_its_slot_serves_in_place_unless_a_move_buys_e
         assert wider.kept.prefix_tokens[0] > first.kept.prefix_tokens[0], (first.kept, wider.kept)
 
 
+
+def test_a_warm_request_lines_further_down_keeps_the_slots_start_in_place(qwen_draft_path):
+    """The cursor two lines further down, where a move would buy fewer than MOVE_MIN_GAIN tokens: the prompt starts
+    where the slot's cached lines do (any other start moves them), found though no step of fit's scan lands there,
+    and evaluates only what follows them instead of widening with a re-rotation of the whole cache."""
+    prices = ((1, 64), (0.05, 0.4))  # as above: 0.5 s buys 74 new tokens, 28 after a move
+    here = Infill("".join(LINES[:101]), "\n" + "".join(LINES[102:106]), "    ")
+    down = Infill("".join(LINES[:103]), "\n" + "".join(LINES[104:108]), "    ")
+    with Engine(EngineConfig(str(qwen_draft_path), proposer="none", load=LoadConfig(n_ctx=4096))) as eng:
+        eng.prompt_rate = PromptRate(*prices)
+        first = eng.infill_prompt(here, 16, 0.5, cache_reuse=16)
+        assert first.kept.cut
+        eng.generate(first.tokens, GenerationConfig(max_tokens=1, cache_reuse=16, memory=None, slot=first.slot))
+        eng.prompt_rate = PromptRate(*prices)
+        eng.prompt_rate.shift = 0.3
+        again = eng.infill_prompt(down, 16, 0.5, cache_reuse=16)
+        held = first.tokens.index(eng.target.vocab.fim_pre) + 1 + first.kept.prefix_tokens[0]
+        assert again.tokens[:held] == first.tokens[:held], (first.kept, again.kept)
+        assert again.kept.prefix_tokens[0] > first.kept.prefix_tokens[0]
+        assert again.new_tokens <= again.budget_tokens
+
 def body_line(y: int) -> dict:
     """A budgeted completion typed at SOURCE's line `y` (a body line), after its indent."""
     return {"input_prefix": "".join(LINES[:y]), "input_suffix": "\n" + "".join(LINES[y + 1:y + 20]),

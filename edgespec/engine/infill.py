@@ -26,7 +26,7 @@ from edgespec.decoding import reuse
 from edgespec.decoding.costs import PromptRate
 from edgespec.decoding.loop import planned
 from edgespec.engine.slots import Slot
-from edgespec.prompts.fim import Fitted, FimPrompt, Infill, Kept, cursor_anchor, lines_start
+from edgespec.prompts.fim import Fitted, FimPrompt, Infill, Kept, cached_lines, cursor_anchor, lines_start
 
 # New tokens a request's budget must buy after moving what the slot holds (a re-rotation of every cell of the
 # context) for the move to be worth it; where it buys fewer, the request takes what the slot serves in place and the
@@ -100,9 +100,12 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
     near = rate.tokens_within(NEAR_BUDGETS * budget_seconds) or 0
     if kept_of(target, widest).moved:  # moving what the slot holds costs a re-rotation before any token's price
         moving = rate.tokens_within(budget_seconds, True) or 0
-        if moving <= MOVE_MIN_GAIN:
+        if moving <= MOVE_MIN_GAIN:  # the one start that moves nothing is the slot's own: fit's scan may miss it
+            held = infill.prefix.splitlines(keepends=True)
+            at = lines_start(held, cached_lines(target.cache.tokens, m.vocab, m.token_bytes))
             in_place = fim.fit(infill, room, max(budget, 1),
-                               lambda t: room + 1 if (k := kept_of(target, t)).moved else k.new)
+                               lambda t: room + 1 if (k := kept_of(target, t)).moved else k.new,
+                               starts=() if at is None else (len(held) - at,))
             k = kept_of(target, in_place.tokens)
             fitted = in_place if k.moved == 0 and k.new <= budget else None
         budget = budget if fitted else moving

@@ -199,10 +199,10 @@ class FimPrompt:
             return memo[step]
 
         n_near, n_lines = NEAR_LINES, len(infill.prefix.splitlines())
-        near = _steps_for(n_near, n_lines)
+        near, cached = _steps_for(n_near, n_lines), {_steps_for(k, n_lines) for k in starts}
 
         def lowest(first: int) -> int:  # the nearest lines' cost, where they cost least: alone, or with what is cached
-            costs = [c for s in {first, *_grid(FIT_STEPS)} if s >= first and (c := lines(s)[1]) is not None]
+            costs = [c for s in {first, *_grid(FIT_STEPS), *cached} if s >= first and (c := lines(s)[1]) is not None]
             return min(costs, default=max_new or 0)
 
         if max_new is not None:
@@ -217,7 +217,7 @@ class FimPrompt:
             built, cost = lines(step)
             return built if cost is not None and (max_new is None or cost <= max_new) else None
 
-        also = (near, *(_steps_for(k, n_lines) for k in starts)) if max_new is not None else ()
+        also = (near, *cached) if max_new is not None else ()
         step, built = _widest(FIT_STEPS, affordable, also)
         if step == 0 and (tail := self._tail(infill, room, max_new, near_most, new_tokens)) is not None:
             return tail
@@ -311,6 +311,23 @@ def accepted(infill: Infill, suggestion: str) -> Infill | None:
         return Infill(infill.prefix, infill.suffix, infill.typed + lines[0], infill.extra)
     done = [infill.typed + lines[0], *lines[1:-1]]
     return Infill(infill.prefix + "".join(line + "\n" for line in done), infill.suffix, lines[-1], infill.extra)
+
+
+def cached_lines(prompt: Sequence[int], vocab: Vocab, piece: Callable[[int], bytes]) -> str:
+    """The first whole lines (HELD_LINES) of the prefix a cached FIM prompt holds, to find where they start in a
+    request's (lines_start); "" where it holds no FIM prefix or its text is not whole characters."""
+    tokens = list(prompt)
+    if (pre := _last(tokens, vocab.fim_pre)) is None:
+        return ""
+    text, newlines = bytearray(), 0
+    for t in tokens[pre + 1:_find(tokens, vocab.fim_suf, pre + 1)]:
+        text += (b := piece(t))
+        if (newlines := newlines + b.count(b"\n")) >= HELD_LINES:
+            break
+    try:
+        return bytes(text[:text.rfind(b"\n") + 1]).decode()
+    except UnicodeDecodeError:
+        return ""
 
 
 def cursor_anchor(prompt: Sequence[int], vocab: Vocab, piece: Callable[[int], bytes]) -> int | None:

@@ -278,7 +278,6 @@ def test_a_warm_request_takes_what_its_slot_serves_in_place_unless_a_move_buys_e
         assert wider.kept.prefix_tokens[0] > first.kept.prefix_tokens[0], (first.kept, wider.kept)
 
 
-
 def test_a_warm_request_lines_further_down_keeps_the_slots_start_in_place(qwen_draft_path):
     """The cursor two lines further down, where a move would buy fewer than MOVE_MIN_GAIN tokens: the prompt starts
     where the slot's cached lines do (any other start moves them), found though no step of fit's scan lands there,
@@ -291,13 +290,14 @@ def test_a_warm_request_lines_further_down_keeps_the_slots_start_in_place(qwen_d
         first = eng.infill_prompt(here, 16, 0.5, cache_reuse=16)
         assert first.kept.cut
         eng.generate(first.tokens, GenerationConfig(max_tokens=1, cache_reuse=16, memory=None, slot=first.slot))
-        eng.prompt_rate = PromptRate(*prices)
+        eng.prompt_rate = PromptRate(*prices)  # not what the generation observed on this machine
         eng.prompt_rate.shift = 0.3
         again = eng.infill_prompt(down, 16, 0.5, cache_reuse=16)
         held = first.tokens.index(eng.target.vocab.fim_pre) + 1 + first.kept.prefix_tokens[0]
         assert again.tokens[:held] == first.tokens[:held], (first.kept, again.kept)
         assert again.kept.prefix_tokens[0] > first.kept.prefix_tokens[0]
         assert again.new_tokens <= again.budget_tokens
+
 
 def body_line(y: int) -> dict:
     """A budgeted completion typed at SOURCE's line `y` (a body line), after its indent."""

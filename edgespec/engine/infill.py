@@ -101,11 +101,9 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
     if kept_of(target, widest).moved:  # moving what the slot holds costs a re-rotation before any token's price
         moving = rate.tokens_within(budget_seconds, True) or 0
         if moving <= MOVE_MIN_GAIN:  # the one start that moves nothing is the slot's own: fit's scan may miss it
-            held = infill.prefix.splitlines(keepends=True)
-            at = lines_start(held, cached_lines(target.cache.tokens, m.vocab, m.token_bytes))
             in_place = fim.fit(infill, room, max(budget, 1),
                                lambda t: room + 1 if (k := kept_of(target, t)).moved else k.new,
-                               starts=() if at is None else (len(held) - at,))
+                               starts=_starts(infill, cached_lines(target.cache.tokens, m.vocab, m.token_bytes)))
             k = kept_of(target, in_place.tokens)
             fitted = in_place if k.moved == 0 and k.new <= budget else None
         budget = budget if fitted else moving
@@ -137,14 +135,20 @@ def _from_aside(fim: FimPrompt, infill: Infill, room: int, aside: KVSequence, li
                 fitted: Fitted, new: int) -> tuple[Fitted, int] | None:
     """The prompt that starts where the aside's lines do, and its new tokens there, where it keeps more of the
     prefix than `fitted` (the slot's, `new` tokens to evaluate) for no more than the budget or `new`; else None."""
-    held = infill.prefix.splitlines(keepends=True)
-    if (at := lines_start(held, lines)) is None:
+    if not (starts := _starts(infill, lines)):
         return None
     cost = lambda t: planned(aside, t).new  # noqa: E731 - the aside is priced as a prefix only
-    wide = fim.fit(infill, room, max(budget, 1), cost, starts=(len(held) - at,))
+    wide = fim.fit(infill, room, max(budget, 1), cost, starts=starts)
     if wide.kept.prefix_tokens[0] <= fitted.kept.prefix_tokens[0] or (n := cost(wide.tokens)) > max(budget, new):
         return None
     return wide, n
+
+
+def _starts(infill: Infill, held: str) -> tuple[int, ...]:
+    """fit's `starts` for a cache that holds the lines `held`: how many of the prefix's lines a prompt takes to start
+    where they do; none where they are not in the prefix."""
+    lines = infill.prefix.splitlines(keepends=True)
+    return () if (at := lines_start(lines, held)) is None else (len(lines) - at,)
 
 
 @functools.lru_cache(maxsize=TOKENIZED_TEXTS)

@@ -19,6 +19,9 @@ t_max_predict_ms + 1 s.
 
     python scripts/llama_tools.py --server          # once: about 20 minutes on 2 cores
     python scripts/bench_editor.py --out bench-results/editor.json
+
+With --greedy every completion asks for temperature 0, which the editors do not send: the right completions then
+vary with the context each server gives the model, not with its sampling, for comparing servers or trees.
 """
 
 from __future__ import annotations
@@ -285,7 +288,7 @@ def turn(peer: Peer, others: list[Peer], fn: Any) -> Any:
 
 
 def session(peers: list[Peer], flavour: str, files: list[tuple[Path, int, int]], ring_files: list[Path],
-            ring_size: int, ring_every: int, think: float) -> None:
+            ring_size: int, ring_every: int, think: float, greedy: bool = False) -> None:
     fim, warmup = FLAVOURS[flavour]
     ring: list[dict] = []
     chunks = ring_chunks(ring_files)
@@ -301,26 +304,27 @@ def session(peers: list[Peer], flavour: str, files: list[tuple[Path, int, int]],
                         turn(p, [o for o in peers if o is not p], lambda p=p: (time.sleep(think),
                                                                                p.post_and_forget(warmup(ring))))
             for p in peers:
-                turn(p, [o for o in peers if o is not p], lambda p=p: _ask_pair(p, c, ring, fim, think))
+                turn(p, [o for o in peers if o is not p], lambda p=p: _ask_pair(p, c, ring, fim, think, greedy))
             print(f"{flavour} {Path(c.path).name}:{c.line + 1}:{c.col}  " + "  ".join(
                 f"{p.name} {p.records[-1].seconds:5.1f}s" for p in peers), file=sys.stderr)
 
 
-def _ask_pair(p: Peer, c: Cursor, ring: list[dict], fim: Any, think: float) -> None:
+def _ask_pair(p: Peer, c: Cursor, ring: list[dict], fim: Any, think: float, greedy: bool = False) -> None:
     """The user's think time since the last answer, then the completion at `c`, then the editor's speculative
     request on the suggestion, sent the moment the suggestion is shown (llama.vim's s:fim_try_hint, llama.vscode's
     cacheFutureSuggestion in a setTimeout of 0). The think time comes last in a peer's pause, after its frozen
     spell: a server that sizes its background work by the clock then sees the pause end where the user's does."""
     time.sleep(think)
     where = f"{Path(c.path).name}:{c.line + 1}:{c.col}"
-    body = fim(c, ring, False)
+    asked = (lambda body: {**body, "temperature": 0.0}) if greedy else (lambda body: body)  # --greedy
+    body = asked(fim(c, ring, False))
     results, seconds = p.ask(body)
     data = kept_completion(c, results)
     answer = shown(c, data.get("content", ""))
     p.records.append(_record("fim", where, data, seconds, body, c.real, answer))
     if _asks_again(fim, c, answer):
         spec = accepted(c, answer)
-        body = fim(spec, ring, True)
+        body = asked(fim(spec, ring, True))
         results, seconds = p.ask(body)
         p.records.append(_record("speculative", where, kept_completion(spec, results), seconds, body, ""))
 
@@ -407,6 +411,8 @@ def main() -> None:
     ap.add_argument("--think", type=float, default=1.0, help="seconds the user takes after each answer")
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--greedy", action="store_true",
+                    help="temperature 0 in every completion (not the editors' own): right completions without noise")
     ap.add_argument("--edgespec-args", default="", help="extra arguments for edgespec serve")
     ap.add_argument("--servers", nargs="+", default=["edgespec", "llama-server"], choices=["edgespec", "llama-server"],
                     help="one alone for a quick look at its own records (no ratio: runs are fair only side by side)")
@@ -440,7 +446,7 @@ def main() -> None:
             for p in peers:  # one at a time: edgespec calibrates at its first load, on a quiet machine
                 p.start(args.out.with_suffix(f".{p.name}.log"))
             session(peers, flavour, parse_files(args.files), [ROOT / f for f in args.ring], args.ring_size,
-                    args.ring_every, args.think)
+                    args.ring_every, args.think, args.greedy)
         finally:
             for p in peers:
                 p.stop()

@@ -207,9 +207,6 @@ class GenerationConfig:
     # allows. None: no such bound.
     deadline: float | None = None
     min_indent: int = 0  # llama.cpp's n_indent (text.IndentLimit)
-    # The answer starts a line, a newline of the model's ending the prompt (an /infill continuation's lead), so
-    # min_indent holds from its first line.
-    line_start: bool = False
     proposer: str | None = None  # this generation's proposer ("none" turns speculation off); None: the engine's
     k: int | None = None  # most tokens per cycle for this generation, at most the engine's; None: the engine's
     slot: int | None = None  # the KV slot to run in (llama.cpp's id_slot); None: the best free one

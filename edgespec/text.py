@@ -73,12 +73,11 @@ class IndentLimit:
     """llama.cpp's n_indent: after the first generated newline, a line whose first character other than
     space or tab comes after fewer than `n` of them ends the generation, from that character on (a blank
     line counts). Unlike llama.cpp, a line's start is held back until it is decided, so the line that
-    ends the generation is never streamed. With `line_start` the text starts a line (its newline ended the prompt),
-    so its first line is checked too."""
+    ends the generation is never streamed."""
 
-    def __init__(self, n: int, line_start: bool = False) -> None:
+    def __init__(self, n: int) -> None:
         self.n = n
-        self._pending: str | None = "" if line_start else None  # an undecided line start's indent; None: not at one
+        self._pending: str | None = None  # spaces and tabs of an undecided line start; None: not at one
         self.stopped = False
 
     def push(self, text: str) -> str:

@@ -177,25 +177,6 @@ def test_llama_vim_speculative_request_costs_a_handful_of_prompt_tokens(server):
     assert not other["infill"]["continued"] and other["timings"]["prompt_n"] > 2, other
 
 
-def test_a_speculative_request_after_a_line_the_time_limit_ended_is_served_with_its_newline(server):
-    """An answer cut at a newline by the time limit is shown without it, and the line's last token holds it (":\\n"):
-    the speculative request still finds the answer's tokens cached, and its answer starts with that newline, its
-    first line then under n_indent as a line of llama.cpp's answer would be."""
-    fim = {"input_prefix": "".join(SOURCE[:20]) + "def larger(a, b):\n", "input_suffix": "\n\nprint(larger(1, 2))\n",
-           "prompt": "    if a >", "n_predict": 16, "temperature": 0, "t_max_prompt_ms": 60000,
-           "t_max_predict_ms": 1, "n_indent": 4}
-    for n_indent, shown_next in ((4, True), (12, False)):
-        first = httpx.post(server.url + "/infill", json=fim, timeout=300).json()
-        assert first["content"].endswith("\n") and first["content"].strip(), first  # a whole line, cut at its newline
-        shown = accepted(Infill(fim["input_prefix"], fim["input_suffix"], fim["prompt"]), first["content"])
-        spec = httpx.post(server.url + "/infill", json={**fim, "input_prefix": shown.prefix, "prompt": shown.typed,
-                                                        "t_max_predict_ms": 1000, "n_indent": n_indent},
-                          timeout=300).json()
-        assert spec["infill"]["continued"] and spec["timings"]["prompt_n"] <= 2, (first, spec)
-        assert spec["content"].startswith("\n"), spec
-        assert bool(spec["content"].strip()) == shown_next, (n_indent, spec)  # the next line is indented 8
-
-
 def test_a_request_preempts_a_warm_up_in_flight(server):
     """A long warm-up is background work: the next completion does not wait for all of it."""
     big = [{"filename": "big.py", "text": "".join(SOURCE) * 2}]

@@ -45,11 +45,3 @@ def test_indent_limit_is_llama_cpps_n_indent(pieces, n, out, stopped):
     g = IndentLimit(n)
     text = "".join(g.push(p) for p in pieces) + g.flush()
     assert (text, g.stopped) == (out, stopped)
-
-
-def test_indent_limit_checks_the_first_line_where_the_text_starts_one():
-    """An /infill continuation's answer starts after a newline its prompt holds: its first line is a new line."""
-    g = IndentLimit(8, line_start=True)
-    assert g.push("    return x\n") + g.flush() == "    " and g.stopped
-    g = IndentLimit(8, line_start=True)
-    assert g.push("        return x\n") + g.flush() == "        return x\n" and not g.stopped

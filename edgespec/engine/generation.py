@@ -119,7 +119,7 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
     config = run.config
     for drafter in _drafters(slot.proposer):
         drafter.cache_reuse, drafter.reuse_anchor = config.cache_reuse, run.anchor
-    text, indent = TextStream(run.stop), IndentLimit(config.min_indent, config.line_start)
+    text, indent = TextStream(run.stop), IndentLimit(config.min_indent)
     lines = WholeLines(config.time_limit is not None)
     finish: FinishReason = "length"
     steps = run.turns(loop.steps(slot.cache, proposer_for(slot, config), prompt, config, stats, run.cancel,

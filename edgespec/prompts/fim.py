@@ -448,9 +448,6 @@ class Continuation:
     infill: Infill  # the request, as accepted() predicts it
     held: str  # the end of its prefix that the prompt holds: the editor's window may drop lines before it
     tokens: list[int]
-    # The newlines of the answer's last tokens that the editor did not show (it drops trailing ones, and a line's
-    # last token mostly holds its newline, ")\n"): they are in `tokens`, so the answer to the request starts with them.
-    lead: str = ""
 
     def serves(self, request: Infill) -> bool:
         want = self.infill
@@ -461,10 +458,9 @@ class Continuation:
 def continuation(infill: Infill, answer: str, prompt: Sequence[int], generated: Sequence[int], vocab: Vocab,
                  piece: Callable[[int], bytes], layout: str = "prefix", ended: bool = False) -> Continuation | None:
     """How the editor's request after `answer` (a completion of `prompt` at `infill`, its tokens `generated`) is
-    served: the answer's tokens after the prompt, its newlines the editor does not show leading the next answer.
-    None for a prompt that is not a FIM prompt of `layout`, for an answer that ends where the model chose (`ended`:
-    its end of generation or a stop string; the same prompt would only choose that end again) and for one the editor
-    does not show whole (a line the indentation cut)."""
+    served; None for a prompt that is not a FIM prompt of `layout`, and for an answer that ends where the model
+    chose (`ended`: its end of generation or a stop string) or that the editor does not show whole (blank lines
+    dropped, a line the indentation cut): the same prompt would only choose that end again."""
     nxt, tokens = accepted(infill, answer), list(prompt)
     pre = _last(tokens, vocab.fim_pre)
     suf = len(tokens) if pre is None else _find(tokens, vocab.fim_suf, pre)
@@ -472,9 +468,10 @@ def continuation(infill: Infill, answer: str, prompt: Sequence[int], generated: 
         return None
     held = b"".join(piece(t) for t in tokens[pre + 1:suf])
     typed = infill.typed.encode() if layout == "prefix" else b""
-    shown, written = answer.rstrip("\n").encode(), b"".join(piece(t) for t in generated)
-    lead = written[len(shown):]
-    if not written.startswith(shown) or lead.strip(b"\n") or not held.endswith(typed):
+    shown, got, k = answer.rstrip("\n").encode(), b"", 0
+    while len(got) < len(shown) and k < len(generated):
+        got, k = got + piece(generated[k]), k + 1
+    if got != shown or k < len(generated) or not held.endswith(typed):
         return None
     held_text = held[:len(held) - len(typed)].decode("utf-8", "replace")
-    return Continuation(nxt, held_text + nxt.prefix[len(infill.prefix):], [*tokens, *generated], lead.decode())
+    return Continuation(nxt, held_text + nxt.prefix[len(infill.prefix):], [*tokens, *generated[:k]])

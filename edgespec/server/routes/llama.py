@@ -19,6 +19,7 @@ from edgespec.server.http import KEEPALIVE, SSE_HEADERS, guard, sse, sse_guard
 from edgespec.server.service import Service, check_request, in_namespace, prompt_of, request_of, spec
 
 if TYPE_CHECKING:
+    from edgespec.config import GenerationConfig
     from edgespec.engine import Chunk
     from edgespec.engine.infill import InfillPrompt
 
@@ -62,15 +63,13 @@ class LlamaRoutes:
         room = c.max_tokens if c.max_tokens else LLAMA_N_PREDICT  # kept free for the answer
         layout = self.svc.settings.fim_layout
         infill, room = schemas.infill(body), min(room, eng.n_ctx // 2)
-        follow = self._follow(infill, req) if c.max_tokens else None
-        lead = follow[1] if follow else ""  # the answer's newlines the editor did not show, in the prompt already
-        ip = follow[0] if follow else eng.infill_prompt(infill, room, budget, c.slot, c.cache_reuse, layout,
-                                                        warm_up=c.max_tokens == 0)
+        follow = self._follow(infill, c) if c.max_tokens else None
+        ip = follow or eng.infill_prompt(infill, room, budget, c.slot, c.cache_reuse, layout,
+                                         warm_up=c.max_tokens == 0)
         if c.max_tokens:  # this generation leaves something else in the slot
             self.follows.pop(ip.slot, None)
         due = arrival + budget + c.time_limit + ANSWER_SLACK if budget is not None and c.time_limit else None
-        req = dataclasses.replace(req, config=dataclasses.replace(c, slot=ip.slot, deadline=due,
-                                                                  line_start=lead.endswith("\n")))
+        req = dataclasses.replace(req, config=dataclasses.replace(c, slot=ip.slot, deadline=due))
         report = {"truncated": ip.kept.cut, "infill": {"layout": layout, "budget_tokens": ip.budget_tokens,
                                                        "continued": follow is not None, **ip.kept.to_dict()}}
         shown: dict[str, InfillPrompt] = {}
@@ -92,7 +91,7 @@ class LlamaRoutes:
         def after(chunks: list[Chunk]) -> None:  # budgeted requests are an editor's: ready what comes next
             if budget is None or self.svc.draining:
                 return
-            m, answer, ended = eng.target, lead + "".join(c.text for c in chunks), chunks[-1].finish_reason == "stop"
+            m, answer, ended = eng.target, "".join(c.text for c in chunks), chunks[-1].finish_reason == "stop"
             tokens = [t for c in chunks for t in c.tokens]
             if cont := continuation(infill, answer, ip.tokens, tokens, m.vocab, m.token_bytes, layout, ended):
                 self.follows[ip.slot] = (cont, ip)
@@ -103,27 +102,23 @@ class LlamaRoutes:
 
         return await self.respond(request, ip.tokens, req, "the infill prompt ('input_prefix', 'input_suffix', "
                                                            "'prompt', 'input_extra')", infill=True, report=report,
-                                  after=after, lead=lead)
+                                  after=after)
 
-    def _follow(self, infill: Infill, req: schemas.Request) -> tuple[InfillPrompt, str] | None:
-        """The prompt an earlier answer left for this request (prompts.fim.Continuation), in the slot it asks for, and
-        the text its answer starts with; none with such a lead for a stream or stop strings (the editors send
-        neither), which would have to take the lead in."""
-        eng, c = self.svc.engine(), req.config
+    def _follow(self, infill: Infill, c: GenerationConfig) -> InfillPrompt | None:
+        """The prompt an earlier answer left for this request (prompts.fim.Continuation), in the slot it asks for."""
+        eng = self.svc.engine()
         for slot, (cont, ip) in list(self.follows.items()):
             if cont.serves(infill) and (c.slot is None or c.slot < 0 or c.slot % len(eng.slots) == slot):
                 del self.follows[slot]
-                if cont.lead and (req.stop or req.stream):
-                    return None
                 new = len(cont.tokens) - eng.slots[slot].cache.shared_prefix(cont.tokens)
-                return dataclasses.replace(ip, tokens=cont.tokens, new_tokens=new), cont.lead
+                return dataclasses.replace(ip, tokens=cont.tokens, new_tokens=new)
         return None
 
     async def respond(self, request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
                       infill: bool = False, report: dict[str, Any] | None = None,
-                      after: Callable[[list[Chunk]], None] | None = None, lead: str = "") -> Response:
+                      after: Callable[[list[Chunk]], None] | None = None) -> Response:
         """Run the generation and answer as llama.cpp does; `report` joins the final object, `after` runs once the
-        answer is complete, with its (first completion's) chunks; each answer starts with `lead` (not streamed)."""
+        answer is complete, with its (first completion's) chunks."""
         check_request(self.svc.engine(), prompt, prompt_name, req)
         req = in_namespace(request, req)
         model, piece = self.svc.settings.model_name, self.svc.engine().target.token_piece
@@ -144,7 +139,7 @@ class LlamaRoutes:
                     else:
                         chunks = await self.svc.run(request, prompt, later, cancel, aside_first=infill)
                     answers.append(chunks)
-                    final = _llama_final(lead + "".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
+                    final = _llama_final("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
                                          chunks[-1], model, req) | (report or {}) | {"index": i}
                     if req.config.logprobs is not None:
                         final["completion_probabilities"] = logprobs.llama(

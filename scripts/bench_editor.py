@@ -14,7 +14,8 @@ user's think time since its last answer (--think): CPU time alike, and the pause
 for a user. edgespec starts each run with an empty memory (a new project's first session), so
 what it remembers is this run's own answers. Reported per server: median and p90 latency of the requests the user
 waits on, prompt tokens evaluated per request (timings.prompt_n), completions that agree with the file's real next
-text for at least 4 characters (of llama.vscode's 3, the first it shows), and answers slower than t_max_prompt_ms +
+text for at least 4 characters (of llama.vscode's 3, the first it shows; how many of them came in each file's first
+COLD_FIRST completions, on a cold cache, and how many after), and answers slower than t_max_prompt_ms +
 t_max_predict_ms + 1 s.
 
     python scripts/llama_tools.py --server          # once: about 20 minutes on 2 cores
@@ -54,6 +55,7 @@ from edgespec.paths import MEMORY_ENV  # noqa: E402
 
 N_PREFIX, N_SUFFIX = 256, 64  # both editors' default windows, in lines
 RING_CHUNK_LINES = 32
+COLD_FIRST = 3  # a file's first completions, counted apart in the right ones (`right`)
 VIM_FIELDS = ["content", "timings/prompt_n", "timings/prompt_ms", "timings/prompt_per_token_ms",
               "timings/prompt_per_second", "timings/predicted_n", "timings/predicted_ms",
               "timings/predicted_per_token_ms", "timings/predicted_per_second", "truncated", "tokens_cached"]
@@ -383,12 +385,24 @@ def summary(peers: list[Peer], flavour: str) -> list[str]:
         prompt_ns = [r.prompt_n for r in waited if r.prompt_n is not None]
         over = sum(r.seconds > r.limit_seconds for r in waited[1:])
         rows.append(f"| {flavour} | {p.name} | {len(waited)} | {stats[p.name][0]:.2f} s | {stats[p.name][1]:.2f} s | "
-                    f"{statistics.mean(prompt_ns) if prompt_ns else float('nan'):.0f} | "
-                    f"{sum(r.agree >= 4 for r in fims)}/{len(fims)} | {over} |")
+                    f"{statistics.mean(prompt_ns) if prompt_ns else float('nan'):.0f} | {right(fims)} | {over} |")
     if len(stats) == 2:
         (a, sa), (b, sb) = stats.items()
-        rows.append(f"| {flavour} | {a} ÷ {b} | | {sa[0] / sb[0]:.2f}x | {sa[1] / sb[1]:.2f}x | | | |")
+        rows.append(f"| {flavour} | {a} ÷ {b} | | {sa[0] / sb[0]:.3f}x | {sa[1] / sb[1]:.3f}x | | | |")
     return rows
+
+
+def right(fims: list[Record]) -> str:
+    """Completions right for at least 4 characters, of all; then how many of them came in each file's first
+    COLD_FIRST completions (a cold cache: what a budget buys there is narrow) and how many after."""
+    seen: dict[str, int] = {}
+    cold = warm = 0
+    for r in fims:
+        file = r.where.rsplit(":", 2)[0]
+        seen[file] = seen.get(file, 0) + 1
+        if r.agree >= 4:
+            cold, warm = (cold + 1, warm) if seen[file] <= COLD_FIRST else (cold, warm + 1)
+    return f"{cold + warm}/{len(fims)} ({cold} + {warm})"
 
 
 def parse_files(specs: list[str]) -> list[tuple[Path, int, int]]:
@@ -427,8 +441,8 @@ def main() -> None:
         sys.exit(f"{SERVER} is not built; run: python scripts/llama_tools.py --server (about 20 minutes)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": {}}
-    table = ["| session | server | requests | median | p90 | prompt tokens evaluated (mean) | right ≥ 4 chars | "
-             "over budget + 1 s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    table = ["| session | server | requests | median | p90 | prompt tokens evaluated (mean) | right ≥ 4 chars "
+             f"(a file's first {COLD_FIRST} + after) | over budget + 1 s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for flavour in args.flavours:
         # edgespec's memory of what it wrote starts empty: earlier runs over the same files would draft the answers
         memory = tempfile.TemporaryDirectory(prefix="bench-editor-memory-")

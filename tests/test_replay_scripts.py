@@ -98,3 +98,14 @@ def test_a_completion_that_repeats_the_next_lines_is_discarded_as_llama_vscode_d
     assert not bench_editor._discarded(["y = 1"], c.typed, ["", ""])  # nothing follows: never discarded
     only = [{"content": " "}, {"content": ""}]
     assert bench_editor.kept_completion(c, only) is only[0]  # none kept: the first, as the editor shows nothing
+
+
+def test_the_editor_benchmark_counts_a_files_first_completions_apart():
+    # A file's first COLD_FIRST completions meet a cold cache; the summary says how many right ones came there.
+    def fim(where: str, agree: int) -> bench_editor.Record:
+        return bench_editor.Record("fim", where, 0.5, 10, 0, "", "", 2.0, agree)
+
+    fims = [fim("a.py:10:4", 5), fim("a.py:10:9", 0), fim("a.py:11:4", 4), fim("a.py:11:8", 9),
+            fim("b.py:3:0", 3), fim("b.py:3:6", 12), fim("b.py:4:0", 1), fim("b.py:4:4", 4)]
+    assert bench_editor.COLD_FIRST == 3
+    assert bench_editor.right(fims) == "5/8 (3 + 2)"  # a.py: 2 of its first 3, then 1; b.py: 1, then 1

@@ -6,8 +6,8 @@ import pytest
 from edgespec.decoding import reuse
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
 from edgespec.gguf import Vocab
-from edgespec.prompts.fim import (NEAR_LINES, SUFFIX_LINES, TAIL_STEP, FimPrompt, Infill, Take, accepted,
-                                  continuation, cursor_anchor)
+from edgespec.prompts.fim import (NEAR_LINES, SUFFIX_LINES, SUFFIX_SHARE, TAIL_STEP, FimPrompt, Infill, Take,
+                                  accepted, continuation, cursor_anchor)
 
 PRE, SUF, MID, REP, SEP = 1001, 1002, 1003, 1004, 1005
 QWEN_LIKE = Vocab(n_tokens=2000, type=2, bos=None, eos=1, add_bos=False, fim_pre=PRE, fim_suf=SUF,
@@ -70,6 +70,20 @@ def test_fit_keeps_the_lines_nearest_the_cursor_within_the_new_token_budget():
     cut = fim.fit(infill, room=10_000, max_new=3 + 4 * 10 + 4 * SUFFIX_LINES)  # every token new: 10 prefix lines
     assert cut.kept.cut and cut.kept.prefix_tokens == (40, 160) and cut.kept.suffix_tokens == (4 * SUFFIX_LINES, 160)
     assert cut.tokens[1:5] == chars("p30\n") and cut.tokens[-5:-1] == chars(f"s{SUFFIX_LINES - 1:02d}\n")
+
+
+def test_a_budget_with_room_left_buys_further_suffix_lines_with_a_share_of_it():
+    """Fresh suffix lines complete better but cost every keystroke: past SUFFIX_LINES they take SUFFIX_SHARE of what
+    the budget has left. A CPU's budget leaves too little for a line; a fast machine's buys many."""
+    fim = FimPrompt(PLAIN, chars)
+    infill = Infill("".join(f"p{i:02d}\n" for i in range(40)), "".join(f"s{i:02d}\n" for i in range(40)))
+    base = 3 + 4 * 40 + 4 * SUFFIX_LINES  # every token new: all 40 prefix lines, SUFFIX_LINES of the suffix
+    tight = fim.fit(infill, room=10_000, max_new=base + 30)  # a tenth of 30 tokens: less than a 4-token line
+    assert tight.kept.prefix_tokens == (160, 160) and tight.kept.suffix_tokens == (4 * SUFFIX_LINES, 160)
+    fast = fim.fit(infill, room=10_000, max_new=base + 1000)
+    more = int(SUFFIX_SHARE * 1000) // 4  # whole 4-token lines within the share
+    assert fast.kept.suffix_tokens == (4 * (SUFFIX_LINES + more), 160) and len(fast.tokens) <= base + 100
+    assert fim.fit(infill, room=10_000, max_new=base + 10_000).kept.suffix_tokens == (160, 160)  # the whole window
 
 
 def test_blank_lines_after_the_cursor_line_do_not_count_against_the_suffix_lines():

@@ -35,6 +35,10 @@ NEAR_LINES = 8
 # is evaluated again on every keystroke, and a completion's first line needs little more than the lines after it.
 # Blank lines after the cursor line's rest are not counted: a token each, and the line after them says what comes.
 SUFFIX_LINES = 2
+# Of what a budget has left past them, the share that buys further suffix lines. Fresh suffix lines complete better
+# (docs/bench/editor.md), but every keystroke pays for them: on a 2-core CPU this buys less than a line, where a
+# batch is nearly free (a GPU) it buys the editor's whole suffix window.
+SUFFIX_SHARE = 0.1
 # Tokens at a time a line too long for the budget is cut by from its end (FimPrompt._tail): whole steps, so the
 # next request at the cursor finds the same cut cached.
 TAIL_STEP = 16
@@ -228,13 +232,28 @@ class FimPrompt:
                                           f"available for the prompt; send a shorter 'prompt'")
             return Fitted(built[0], self.kept(infill, built[1], built[2], 0), 0, 0)
         cap: int | None = SUFFIX_LINES
-        if max_new is not None:  # the suffix's further lines where the cache holds them unchanged: they cost nothing
-            wide = self.tokens(infill, _share(infill, step, 0, None))
-            if len(wide[0]) <= room and new_tokens(wide[0]) <= (lines(step)[1] or 0):
-                cap, built = None, wide
+        if max_new is not None:  # the suffix's further lines: free where cached unchanged, else a share of the budget
+            cap, built = self._suffix(infill, step, room, lines(step)[1] or 0, max_new, new_tokens, built)
         n_extra, with_extra = _largest(len(infill.extra), lambda e: fits(_share(infill, step, e, cap), max_new))
         prompt, pre, suf = with_extra or built
         return Fitted(prompt, self.kept(infill, pre, suf, n_extra), step, n_extra)
+
+    def _suffix(self, infill: Infill, step: int, room: int, base: int, max_new: int,
+                new_tokens: Callable[[list[int]], int], built: tuple[list[int], list[int], list[int]]
+                ) -> tuple[int | None, tuple[list[int], list[int], list[int]]]:
+        """fit's suffix cap for `step` and its prompt: SUFFIX_LINES (`built`, `base` new tokens), or the most lines
+        whose new tokens stay within `base` and SUFFIX_SHARE of what the budget `max_new` has left (all: None)."""
+        allowed, top = base + int(SUFFIX_SHARE * max(0, max_new - base)), len(_counted_lines(infill.suffix))
+
+        def with_lines(n: int) -> tuple[list[int], list[int], list[int]] | None:
+            wide = self.tokens(infill, _share(infill, step, 0, n))
+            return wide if len(wide[0]) <= room and new_tokens(wide[0]) <= allowed else None
+
+        if (every := with_lines(top)) is not None:
+            return None, every
+        if top <= SUFFIX_LINES + 1 or (one := with_lines(SUFFIX_LINES + 1)) is None:  # a CPU's usual answer
+            return SUFFIX_LINES, built
+        return _bisect(SUFFIX_LINES + 2, top - 1, with_lines, (SUFFIX_LINES + 1, one))
 
     def _tail(self, infill: Infill, room: int, max_new: int | None, near_most: int | None,
               new_tokens: Callable[[list[int]], int]) -> Fitted | None:

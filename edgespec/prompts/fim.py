@@ -31,8 +31,8 @@ FIT_STEPS = 256  # resolution of the search over how many lines to keep: a step 
 # Lines before the cursor a budget never leaves out (and the suffix's lines in proportion). While the user types,
 # they slide with the cursor and cost only the line just written (the rest is cached, moved); a cold cache pays once.
 NEAR_LINES = 8
-# Suffix lines a budgeted prompt takes at most: past the cursor nothing moved is reused (cursor_anchor), so the suffix
-# is evaluated again on every keystroke, and a completion's first line needs little more than the lines after it.
+# Suffix lines a budgeted prompt takes, more only where SUFFIX_SHARE buys them: past the cursor nothing moved is reused
+# (cursor_anchor), so the suffix is evaluated again on every keystroke.
 # Blank lines after the cursor line's rest are not counted: a token each, and the line after them says what comes.
 SUFFIX_LINES = 2
 # Of what a budget has left past them, the share that buys further suffix lines. Fresh suffix lines complete better

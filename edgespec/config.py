@@ -72,10 +72,6 @@ ASIDE_TOKENS = 1024
 # Seconds after an answer before background work starts: its compute threads take both cores of a small CPU, and the
 # answer's delivery (the server's event loop, the editor reading it) and the editor's next request would wait on them.
 ANSWER_QUIET = 0.05
-# Niceness added to the thread that runs work nobody waits on, where each thread has its own (Linux): llama.cpp's
-# compute threads, started from it, inherit it, so a request's arrival (the server's event loop, the editor) takes
-# a core at once instead of sharing it until the batch in flight is aborted.
-BACKGROUND_NICE = 10
 QUIET_TICK_SECONDS = 0.1  # resolution of the quiet before background widening (server.service)
 # Cross-request memory (memory.py): the namespace of the machine's own user (CLI, Python API, a server without keys);
 # a server's API keys each get one of their own. A namespace is also a file name, so it is kept to these characters.

@@ -3,11 +3,8 @@ request evaluates after the window slid, after an insertion, after a warm-up, an
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import llama_cpp
@@ -15,7 +12,6 @@ import pytest
 
 from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig
 from edgespec.backend import Model
-from edgespec.config import BACKGROUND_NICE
 from edgespec.config import LoadConfig as Load
 from edgespec.decoding import reuse
 from edgespec.decoding.costs import PromptRate
@@ -195,24 +191,6 @@ def test_a_request_preempts_a_warm_up_in_flight(server):
     t.join(300)
     assert out["timings"]["prompt_n"] >= 1
     assert answers and answers[0]["cancelled"] is True  # preempted; what it evaluated stayed in the cache
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread has a niceness of its own on Linux only")
-def test_background_work_runs_at_a_lower_cpu_priority_than_requests(server):
-    """A warm-up's evaluation runs on a thread niced by BACKGROUND_NICE (its compute threads start from it); the
-    threads that serve requests keep the process's priority."""
-    def nice_values() -> dict[int, int]:  # thread id -> niceness, field 19 of /proc/PID/task/TID/stat
-        tasks = Path(f"/proc/{server.proc.pid}/task")
-        return {int(t.name): int((t / "stat").read_text().rsplit(")", 1)[1].split()[16]) for t in tasks.iterdir()}
-
-    base = os.getpriority(os.PRIO_PROCESS, server.proc.pid)
-    warm = {"input_prefix": "", "input_suffix": "", "input_extra": [{"filename": "a.py", "text": "".join(SOURCE[:30])}],
-            "prompt": "", "n_predict": 0, "samplers": [], "t_max_prompt_ms": 1}
-    assert httpx.post(server.url + "/infill", json=warm, timeout=300).status_code == 200
-    completion(server, "x = 1\n")
-    values = nice_values()
-    assert values[server.proc.pid] == base  # the main thread, and the event loop on it
-    assert min(19, base + BACKGROUND_NICE) in values.values(), values
 
 
 def test_positions_stay_contiguous_after_every_shift(smollm_path):

@@ -13,8 +13,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +22,7 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 
 from edgespec import errors
-from edgespec.config import (ANSWER_QUIET, BACKGROUND_BATCH, BACKGROUND_NICE, INFILL_CACHE_REUSE, PAUSES_KEPT, QUIET_TICK_SECONDS,
+from edgespec.config import (ANSWER_QUIET, BACKGROUND_BATCH, INFILL_CACHE_REUSE, PAUSES_KEPT, QUIET_TICK_SECONDS,
                              GenerationConfig)
 from edgespec.decoding import costs
 from edgespec.server import metrics, schemas
@@ -48,8 +46,6 @@ class Service:
         self.load_error: str | None = None
         # One worker per engine slot: generations in slots interleave by cycle, the rest wait in arrival order.
         self.executor: ThreadPoolExecutor | None = None
-        # Background work's own worker, at a lower CPU priority (BACKGROUND_NICE); each request preempts it first.
-        self.background_executor = ThreadPoolExecutor(1, thread_name_prefix="background", initializer=_lower_priority)
         self.infills: set[threading.Event] = set()
         self.active: set[threading.Event] = set()  # cancel events of every request in flight
         self.finished: dict[str, int] = {}  # generations by finish reason, for /health
@@ -81,9 +77,8 @@ class Service:
         yield
         for cancel in [*self.active, *self.background]:  # the grace period is over: end what still runs
             cancel.set()
-        for executor in (self.executor, self.background_executor):  # the engine must be idle before it is freed
-            if executor is not None:
-                executor.shutdown(wait=True, cancel_futures=True)
+        if self.executor is not None:  # the engine must be idle before it is freed
+            self.executor.shutdown(wait=True, cancel_futures=True)
         if self.loaded is not None:
             self.loaded.close()
 
@@ -138,12 +133,10 @@ class Service:
         if last.stats is not None:
             self.metrics.generation(last.stats, reason)
 
-    def submit(self, job: Callable[[], Any], background: bool = False) -> asyncio.Future:
-        """Run `job` on an engine worker (one per slot; `background` work on its own), counted in the queue
-        metrics."""
+    def submit(self, job: Callable[[], Any]) -> asyncio.Future:
+        """Run `job` on an engine worker (one per slot), counted in the queue metrics."""
         assert self.executor is not None  # set before the engine is, and engine() checked that
-        executor = self.background_executor if background else self.executor
-        return asyncio.get_running_loop().run_in_executor(executor, self.metrics.queued(job))
+        return asyncio.get_running_loop().run_in_executor(self.executor, self.metrics.queued(job))
 
     def cache_reuse(self, route: str) -> int:
         """A route's n_cache_reuse when the request leaves it out: --cache-reuse, else chunk reuse for /infill only
@@ -192,7 +185,7 @@ class Service:
             if evaluated(now) and prompts is not None and not _quiet_for(delay, cancel):
                 evaluated(prompts)
 
-        self._background(cancel, self.submit(work, background=True))
+        self._background(cancel, self.submit(work))
 
     def background_batch(self, left: int) -> int:
         """Tokens for the next batch of an aside build, `left` to evaluate: sized to end within this pause."""
@@ -228,7 +221,7 @@ class Service:
                 self.build_aside(build, cancel)
                 return list(eng.stream(prompt, config, req.stop, cancel))
 
-            job = self.submit(generate, background=warm_up)
+            job = self.submit(generate)
             if warm_up:
                 self._background(cancel, job)
             while not job.done():
@@ -285,17 +278,6 @@ class Service:
                 self.idle_since = time.perf_counter()
 
         return gen()
-
-
-def _lower_priority() -> None:
-    """Lower the calling thread's CPU priority by BACKGROUND_NICE where a thread has its own (Linux); elsewhere, or
-    where the process may not (a niceness already near the floor), it keeps its priority."""
-    if sys.platform.startswith("linux"):
-        tid = threading.get_native_id()
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
-        except OSError as e:
-            log.debug("background work keeps its priority: %s", e)
 
 
 def _quiet_for(seconds: float, cancel: threading.Event) -> bool:

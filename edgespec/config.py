@@ -215,6 +215,9 @@ class GenerationConfig:
     grammar: str | None = None
     json_schema: dict | None = None
     grammar_trigger: str | None = None  # the grammar applies from this text on, the output before it is free
+    # Token healing: text the prompt left out of its end (the typed word's end), so the model writes it in tokens of
+    # its own choosing. The answer's first tokens must agree with it, and the answer goes out without it.
+    heal: str = ""
     logprobs: int | None = None  # None: none; n >= 0: each token's log-probability and its row's n best
     # The memory namespace this generation is proposed from and added to, where the engine keeps a memory
     # (EngineConfig.memory); None: neither (the server's "memory": false).
@@ -240,6 +243,9 @@ class GenerationConfig:
             raise InvalidRequestError(f"k {self.k} must be in 0..{MAX_K} (0 turns speculation off)")
         if self.grammar is not None and self.json_schema is not None:
             raise InvalidRequestError("both a grammar and a json_schema were given; pass one of them")
+        if self.heal and (self.grammar is not None or self.json_schema is not None):
+            raise InvalidRequestError(f"heal {self.heal!r} with a grammar is not supported; pass heal='' and the "
+                                      f"whole text in the prompt")
         if self.json_schema is not None and not isinstance(self.json_schema, dict):
             raise InvalidRequestError(f"json_schema must be a JSON object (a schema), not {self.json_schema!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:

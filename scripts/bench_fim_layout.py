@@ -1,6 +1,8 @@
-"""Where the typed part of the cursor line goes in a FIM prompt: at the end of the prefix (llama.cpp's layout) or at
-the start of the middle (edgespec's "middle": a keystroke then only appends to the prompt). Same cursors, same
-context, greedy completions from the same engine; each is compared with what the file really holds after the cursor.
+"""Where the typed part of the cursor line goes in a FIM prompt: at the end of the prefix (llama.cpp's layout), at
+the start of the middle (edgespec's "middle": a keystroke then only appends to the prompt), or at the end of the
+prefix less the word it ends inside, which the answer must spell again ("healed", /infill's token healing:
+prompts.fim.healed). Same cursors, same context, greedy completions from the same engine; each is compared with what
+the file really holds after the cursor.
 
 Cursors are those of scripts/bench_editor.py (after the indent and half-way through each line). The prefix runs from
 a fixed line to the cursor and the suffix holds the next lines, so consecutive prompts share their start and each
@@ -8,6 +10,7 @@ layout keeps its own slot: every prompt is evaluated exactly (no shifted entries
 else.
 
     python scripts/bench_fim_layout.py --out bench-results/fim-layout.json
+    python scripts/bench_fim_layout.py --variants prefix healed --half-way --files FILE:LINE:LINES ...
 """
 
 from __future__ import annotations
@@ -26,10 +29,11 @@ sys.path.insert(0, str(ROOT))
 from bench_editor import DEFAULT_FILES, agreement, cursors, parse_files  # noqa: E402
 
 from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig  # noqa: E402
-from edgespec.prompts.fim import LAYOUTS, FimPrompt, Infill  # noqa: E402
+from edgespec.prompts.fim import LAYOUTS, FimPrompt, Infill, healed  # noqa: E402
 
 SUFFIX_LINES = 16
 PREFIX_LINES = 96  # the prefix starts this many lines before the first cursor of a file, then grows
+VARIANTS = {"prefix": ("prefix", False), "middle": ("middle", False), "healed": ("prefix", True)}  # layout, healed
 
 
 def main() -> None:
@@ -38,11 +42,14 @@ def main() -> None:
     ap.add_argument("--files", nargs="+", default=list(DEFAULT_FILES), help="PATH:FIRST_LINE:LINES")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--half-way", action="store_true", help="only cursors with typed text after the indent")
+    ap.add_argument("--suffix-lines", type=int, default=SUFFIX_LINES)
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "fim-layout.json")
     args = ap.parse_args()
 
-    config = EngineConfig(args.model, proposer="none", load=LoadConfig(n_ctx=4096, n_threads=args.threads, n_seq=2),
-                          memory=False)
+    config = EngineConfig(args.model, proposer="none", memory=False,
+                          load=LoadConfig(n_ctx=4096, n_threads=args.threads, n_seq=len(args.variants)))
     records: list[dict] = []
     with Engine(config) as eng:
         m = eng.target
@@ -52,23 +59,27 @@ def main() -> None:
             lines = path.read_text().splitlines()
             first = max(0, start - PREFIX_LINES)
             for c in cursors(path, start, n):
+                if args.half_way and c.blank:
+                    continue
                 infill = Infill("".join(s + "\n" for s in lines[first:c.line]),
-                                "\n".join(["", *lines[c.line + 1:c.line + 1 + SUFFIX_LINES]]) + "\n", c.typed)
+                                "\n".join(["", *lines[c.line + 1:c.line + 1 + args.suffix_lines]]) + "\n", c.typed)
                 row = {"where": f"{path.name}:{c.line + 1}:{c.col}", "real": c.real}
-                for slot, (layout, fim) in enumerate(prompts.items()):
-                    tokens, _, _ = fim.tokens(infill)
+                for slot, variant in enumerate(args.variants):
+                    layout, heals = VARIANTS[variant]
+                    held, heal = healed(infill) if heals else (infill, "")
+                    tokens, _, _ = prompts[layout].tokens(held)
                     t0 = time.perf_counter()
                     out = eng.generate(tokens, GenerationConfig(max_tokens=args.max_tokens, slot=slot, memory=None,
-                                                                min_indent=c.indent))
-                    row[layout] = {"text": out.text, "agree": agreement(out.text, c.real),
+                                                                min_indent=c.indent, heal=heal))
+                    row[variant] = {"text": out.text, "agree": agreement(out.text, c.real),
                                    "prompt_tokens": len(tokens), "cached": out.stats.cached_prompt_tokens,
                                    "seconds": time.perf_counter() - t0}
                 records.append(row)
-                print(f"{row['where']:<24} " + "  ".join(f"{layout} {row[layout]['agree']:>3}" for layout in LAYOUTS),
+                print(f"{row['where']:<24} " + "  ".join(f"{v} {row[v]['agree']:>3}" for v in args.variants),
                       file=sys.stderr)
-    lines_out = ["| layout | cursors | right ≥ 4 chars | first line right | mean characters right | "
+    lines_out = ["| variant | cursors | right ≥ 4 chars | first line right | mean characters right | "
                  "prompt tokens evaluated (mean) |", "|---|---:|---:|---:|---:|---:|"]
-    for layout in LAYOUTS:
+    for layout in args.variants:
         rs = [r[layout] for r in records]
         first_line = sum(bool(r[layout]["text"].split("\n")[0].strip())
                          and r["real"].split("\n")[0] == r[layout]["text"].split("\n")[0] for r in records)

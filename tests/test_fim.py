@@ -6,8 +6,8 @@ import pytest
 from edgespec.decoding import reuse
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
 from edgespec.gguf import Vocab
-from edgespec.prompts.fim import (NEAR_LINES, SUFFIX_LINES, SUFFIX_SHARE, TAIL_STEP, FimPrompt, Infill, Take,
-                                  accepted, continuation, cursor_anchor)
+from edgespec.prompts.fim import (HEAL_MAX_CHARS, NEAR_LINES, SUFFIX_LINES, SUFFIX_SHARE, TAIL_STEP, FimPrompt, Infill,
+                                  Take, accepted, continuation, cursor_anchor, healed)
 
 PRE, SUF, MID, REP, SEP = 1001, 1002, 1003, 1004, 1005
 QWEN_LIKE = Vocab(n_tokens=2000, type=2, bos=None, eos=1, add_bos=False, fim_pre=PRE, fim_suf=SUF,
@@ -279,3 +279,29 @@ def test_the_stable_part_keeps_its_first_line_as_the_cursor_moves_down_and_a_fit
     assert fim.stable(later, first=100, most=300, held="gone\n")[1] == "".join(lines[105:125])
     fitted = fim.fit(later, room=10_000, max_new=60, new_tokens=lambda t: reuse.plan(tokens, t).new, starts=(25,))
     assert fitted.kept.prefix_tokens[0] == 25 * 5 and fitted.tokens[:len(tokens)] == tokens
+
+
+def test_healing_leaves_out_the_word_the_typed_text_ends_inside():
+    """Token healing gives the model the typed word back (prompts.fim.healed): from its start, whatever precedes it;
+    nothing after a space, a bracket or an empty line, and nothing of a word longer than HEAL_MAX_CHARS."""
+    at = Infill("def f(x):\n", "\n", "    return x.app", (("a.py", "x = 1\n"),))
+    assert healed(at) == (Infill(at.prefix, at.suffix, "    return x.", at.extra), "app")
+    assert healed(Infill("", "", "retur")) == (Infill("", "", ""), "retur")
+    assert healed(Infill("", "", "    n_ctx_2")) == (Infill("", "", "    "), "n_ctx_2")
+    for typed in ("    return x.", "f(", "x = ", "", "    ", "a" * (HEAL_MAX_CHARS + 1)):
+        assert healed(Infill("", "", typed)) == (Infill("", "", typed), "")
+    assert healed(Infill("", "", " " + "a" * HEAL_MAX_CHARS))[1] == "a" * HEAL_MAX_CHARS
+
+
+def test_a_healed_answer_serves_the_editors_next_request_with_the_models_own_tokens():
+    """The prompt left the typed word out and the answer's tokens spell it again: the next request (the answer taken
+    as typed after the whole word) is served by that prompt and those tokens."""
+    fim = FimPrompt(PLAIN, chars)
+    at = Infill("a\ndef f(x):\n", "\nz\n", "    return x.app")
+    held, heal = healed(at)
+    prompt, _, _ = fim.tokens(held)
+    answer = "end(1)\n    x"
+    generated = chars(heal + answer)
+    cont = continuation(held, heal + answer, prompt, generated, PLAIN, lambda t: chr(t).encode())
+    assert cont is not None and cont.tokens == prompt + generated
+    assert cont.infill == accepted(at, answer) and cont.serves(accepted(at, answer))

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from edgespec.decoding import sampling
 from edgespec.decoding import verify
 from edgespec.config import SamplingConfig
-from edgespec.decoding.rules import Rules
+from edgespec.decoding.rules import Pieces, Rules, Start
 
 N_VOCAB = 5000
 
@@ -106,3 +106,21 @@ def test_sampled_verification_under_a_grammar_matches_the_masked_distribution():
     assert counts[0] == 0
     chi2 = float((((counts - expected) ** 2)[1:] / expected[1:]).sum())
     assert chi2 < 13.8  # 2 degrees of freedom, p = 0.001
+
+
+def test_a_start_admits_only_tokens_that_agree_with_its_text_until_the_answer_holds_it():
+    """Token healing: with "retur" left out of the prompt, the first tokens must spell it (one may run past it, one
+    may spell part of it); then every token is admitted and the rules read rows as without a grammar."""
+    vocab = {0: b"ret", 1: b"return", 2: b"retry", 3: b"ur", 4: b"u", 5: b"x", 6: b"", 7: b"returned"}
+    pieces = Pieces(len(vocab), vocab.__getitem__, lambda t: t == 6)
+    start = Start(b"retur", pieces)
+    assert start.allowed(np.arange(8)).tolist() == [True, True, False, False, False, False, False, True]
+    rules = Rules(SamplingConfig(temperature=0.0), start)
+    row = np.array([0.0, 1.0, 9.0, 0.0, 0.0, 8.0, 7.0, 2.0], dtype=np.float32)  # retry, x and the end score best
+    assert rules.token(row, [], None) == 7  # the best that agrees
+    assert rules.admits([0, 3, 5]) == 3 and rules.admits([0, 5]) == 1  # "ret" + "ur" spells it; then anything
+    rules.accept(0)
+    assert start.left == b"ur" and start.allowed(np.arange(8)).tolist() == [False] * 3 + [True, True] + [False] * 3
+    assert rules.token(row, [0], None) == 3
+    rules.accept(3)
+    assert rules.grammar is None and rules.token(row, [0, 3], None) == 2  # healed: the plain argmax again

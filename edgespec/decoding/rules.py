@@ -15,7 +15,8 @@ sample-then-check path), and a top-k filter needs only its k best admitted token
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+import weakref
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -106,6 +107,8 @@ class Rules:
     def accept(self, token: int) -> None:
         if self.grammar is not None:
             self.grammar.accept(token)
+            if isinstance(self.grammar, Start) and not self.grammar.left:
+                self.grammar = None  # healed: the rows after it are read as without a grammar
 
     def admits(self, tokens: Sequence[int]) -> int:
         """How many leading `tokens` the grammar admits from its current state (all, without a grammar)."""
@@ -146,6 +149,58 @@ class Rules:
                                         "biased to -inf); loosen the grammar or the logit_bias")
                 return ok
         raise AssertionError("unreachable: the last width is the whole vocabulary")
+
+
+class Pieces:
+    """A vocabulary's token bytes, indexed by first byte: which tokens agree with a given text."""
+
+    def __init__(self, n_vocab: int, piece: Callable[[int], bytes], is_eog: Callable[[int], bool]) -> None:
+        self.pieces = [b"" if is_eog(t) else piece(t) for t in range(n_vocab)]
+        by_first: dict[int, list[int]] = {}
+        for t, p in enumerate(self.pieces):
+            if p:
+                by_first.setdefault(p[0], []).append(t)
+        self._by_first = {b: np.array(ids, dtype=np.int64) for b, ids in by_first.items()}
+
+    def agreeing(self, text: bytes) -> np.ndarray:
+        """The ids whose bytes start with `text` or start it (none of end of generation)."""
+        ids = self._by_first.get(text[0], np.empty(0, dtype=np.int64)) if text else np.empty(0, dtype=np.int64)
+        return ids[[self.pieces[t].startswith(text) or text.startswith(self.pieces[t]) for t in ids.tolist()]]
+
+
+_PIECES: weakref.WeakKeyDictionary[Any, Pieces] = weakref.WeakKeyDictionary()
+
+
+def pieces_of(model: Any) -> Pieces:
+    """`model`'s Pieces (its n_vocab, token_bytes and is_eog), made at first use and kept while it lives."""
+    if model not in _PIECES:
+        _PIECES[model] = Pieces(model.n_vocab, model.token_bytes, model.is_eog)
+    return _PIECES[model]
+
+
+class Start:
+    """A grammar admitting only tokens that agree with `text` until the answer holds it, then any: token healing,
+    where the prompt leaves out the typed word's end so that the model writes it in tokens of its own choosing."""
+
+    def __init__(self, text: bytes, pieces: Pieces) -> None:
+        self.left, self.pieces = text, pieces
+        self._ok = pieces.agreeing(text) if text else None
+
+    def allowed(self, ids: np.ndarray) -> np.ndarray:
+        if self._ok is None:
+            return np.ones(len(ids), dtype=bool)
+        return np.isin(ids, self._ok)
+
+    def accept(self, token: int) -> None:
+        if self.left:
+            self.left = self.left[min(len(self.left), len(self.pieces.pieces[token])):]
+            self._ok = self.pieces.agreeing(self.left) if self.left else None
+
+    def clone(self) -> Start:
+        return Start(self.left, self.pieces)
+
+    def close(self) -> None:
+        pass
 
 
 def check_json_schema(schema: dict, what: str = "json_schema") -> None:

@@ -18,7 +18,7 @@ from edgespec.config import DEFAULT_MODEL, EngineConfig, GenerationConfig, LoadC
 from edgespec.decoding.costs import CostTracker, PromptRate, calibrate
 from edgespec.decoding.loop import Stats, planned
 from edgespec.decoding.policy import DRAFT_P_MIN, Costs, draft_can_pay, draft_cannot_pay
-from edgespec.decoding.rules import Rules
+from edgespec.decoding.rules import Rules, Start, pieces_of
 from edgespec.engine import generation
 from edgespec.engine.generation import Chunk, Completion
 from edgespec.engine.infill import InfillPrompt, infill_prompt
@@ -288,13 +288,20 @@ class Engine:
             if rules is not None:
                 rules.close()
 
-    def grammar(self, config: GenerationConfig) -> Grammar | None:
+    def grammar(self, config: GenerationConfig) -> Grammar | Start | None:
         """The generation's grammar, compiled against the target's vocabulary (None without one)."""
-        if config.json_schema is not None:
-            return Grammar.from_json_schema(self.target, config.json_schema)
-        if config.grammar is not None:
-            return Grammar(self.target, config.grammar, trigger=config.grammar_trigger)
-        return None
+        return grammar_of(self.target, config)
+
+
+def grammar_of(target: Model, config: GenerationConfig) -> Grammar | Start | None:
+    """`config`'s grammar compiled against `target`'s vocabulary, or its token healing's Start; None for neither."""
+    if config.heal:
+        return Start(config.heal.encode(), pieces_of(target))
+    if config.json_schema is not None:
+        return Grammar.from_json_schema(target, config.json_schema)
+    if config.grammar is not None:
+        return Grammar(target, config.grammar, trigger=config.grammar_trigger)
+    return None
 
 
 # The proposers by name: each builds from the engine and the loaded draft (None when there is none).

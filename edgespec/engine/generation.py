@@ -126,6 +126,7 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
                                  run.k_max, run.k, reuse=config.reuse_prefix, rules=run.rules,
                                  anchor=run.anchor))
     t_first = t_last = None
+    healed = config.heal.encode()  # the typed text the first tokens hold again (token healing): not sent back
     cycle = 0.0  # the last cycle's seconds: a cycle that would end past the deadline or the time cap is not started
     try:
         for tokens, from_draft, done, probs in steps:
@@ -136,6 +137,8 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
             ended: FinishReason | None = None  # where the text or the clock ends the generation here
             for i, t in enumerate(tokens):
                 piece = run.token_bytes(t)
+                if healed:
+                    piece, healed = piece[len(healed):], healed[len(piece):]
                 out += _filtered(lines.push(Token(t, from_draft[i], None if probs is None else probs[i], piece)),
                                  text, indent)
                 if text.stopped or indent.stopped or _late(config, now, cycle, t_first, piece):

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence, TypeVar
 
 import numpy as np
@@ -44,6 +44,8 @@ SUFFIX_SHARE = 0.1
 TAIL_STEP = 16
 HELD_LINES = 8  # lines at the start of a cached prompt's lines that locate it in a request's (lines_start)
 ANCHOR_SCAN = 512  # tokens before the cursor searched for the line before it (cursor_anchor); a longer line ends it
+# The longest word healed (the answer spells it again, a token at a time): past it, none is.
+HEAL_MAX_CHARS = 48
 T = TypeVar("T")
 
 
@@ -330,6 +332,21 @@ def accepted(infill: Infill, suggestion: str) -> Infill | None:
         return Infill(infill.prefix, infill.suffix, infill.typed + lines[0], infill.extra)
     done = [infill.typed + lines[0], *lines[1:-1]]
     return Infill(infill.prefix + "".join(line + "\n" for line in done), infill.suffix, lines[-1], infill.extra)
+
+
+def healed(infill: Infill) -> tuple[Infill, str]:
+    """Token healing: `infill` less the word its typed text ends inside, and that word, which the answer must start
+    with. Typed alone, a word's start is tokenized as the model would not have written it there, and the model goes
+    on from those tokens as from a whole word; left out, the word is written in the model's own tokens
+    (docs/editors.md). `infill` itself and "" where its typed text does not end inside a word."""
+    typed = infill.typed
+    start = len(typed)
+    word = lambda c: c.isalnum() or c == "_"  # noqa: E731 - as \w matches
+    while start > 0 and len(typed) - start <= HEAL_MAX_CHARS and word(typed[start - 1]):
+        start -= 1
+    if start == len(typed) or len(typed) - start > HEAL_MAX_CHARS:
+        return infill, ""
+    return replace(infill, typed=typed[:start]), typed[start:]
 
 
 def cached_lines(prompt: Sequence[int], vocab: Vocab, piece: Callable[[int], bytes]) -> str:

@@ -25,6 +25,7 @@ from edgespec import errors
 from edgespec.config import (ANSWER_QUIET, BACKGROUND_BATCH, INFILL_CACHE_REUSE, PAUSES_KEPT, QUIET_TICK_SECONDS,
                              GenerationConfig)
 from edgespec.decoding import costs
+from edgespec.decoding.rules import pieces_of
 from edgespec.server import metrics, schemas
 from edgespec.server.http import MAX_DRAIN_BYTES, Settings, TooLarge, Unavailable
 
@@ -65,6 +66,8 @@ class Service:
     def load(self) -> None:
         try:
             engine = self.load_engine()
+            if engine.target.vocab.fim_pre is not None:  # /infill's token healing indexes the vocabulary: not then
+                pieces_of(engine.target)
             self.executor = ThreadPoolExecutor(len(engine.slots), thread_name_prefix="engine")
             self.loaded = engine
         except Exception as e:  # reported by /health and every endpoint, instead of a dead process

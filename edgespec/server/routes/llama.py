@@ -13,7 +13,7 @@ from starlette.routing import Route
 
 from edgespec.config import ANSWER_SLACK, LLAMA_N_PREDICT, LLAMA_TEMPERATURE, WIDEN_DELAY
 from edgespec.errors import InvalidRequestError
-from edgespec.prompts.fim import Continuation, Infill, accepted, continuation
+from edgespec.prompts.fim import Continuation, Infill, accepted, continuation, healed
 from edgespec.server import logprobs, schemas
 from edgespec.server.http import KEEPALIVE, SSE_HEADERS, guard, sse, sse_guard
 from edgespec.server.service import Service, check_request, in_namespace, prompt_of, request_of, spec
@@ -64,14 +64,16 @@ class LlamaRoutes:
         layout = self.svc.settings.fim_layout
         infill, room = schemas.infill(body), min(room, eng.n_ctx // 2)
         follow = self._follow(infill, c) if c.max_tokens else None
-        ip = follow or eng.infill_prompt(infill, room, budget, c.slot, c.cache_reuse, layout,
+        held, heal = healed(infill) if (heals := _heals(body, c, layout)) and not follow else (infill, "")
+        ip = follow or eng.infill_prompt(held, room, budget, c.slot, c.cache_reuse, layout,
                                          warm_up=c.max_tokens == 0)
         if c.max_tokens:  # this generation leaves something else in the slot
             self.follows.pop(ip.slot, None)
         due = arrival + budget + c.time_limit + ANSWER_SLACK if budget is not None and c.time_limit else None
-        req = dataclasses.replace(req, config=dataclasses.replace(c, slot=ip.slot, deadline=due))
+        req = dataclasses.replace(req, config=dataclasses.replace(c, slot=ip.slot, deadline=due, heal=heal))
         report = {"truncated": ip.kept.cut, "infill": {"layout": layout, "budget_tokens": ip.budget_tokens,
-                                                       "continued": follow is not None, **ip.kept.to_dict()}}
+                                                       "continued": follow is not None, "healed": heal,
+                                                       **ip.kept.to_dict()}}
         shown: dict[str, InfillPrompt] = {}
 
         def ahead(answer: str) -> Iterator[list[int]]:
@@ -79,6 +81,7 @@ class LlamaRoutes:
             it would be refused: its typed text over the room)."""
             if (nxt := accepted(infill, answer)) is not None:
                 try:
+                    nxt = healed(nxt)[0] if heals else nxt  # as its own request will be laid out
                     shown["next"] = eng.infill_prompt(nxt, room, budget, ip.slot, c.cache_reuse, layout)
                 except InvalidRequestError:
                     return
@@ -93,7 +96,7 @@ class LlamaRoutes:
                 return
             m, answer, ended = eng.target, "".join(c.text for c in chunks), chunks[-1].finish_reason == "stop"
             tokens = [t for c in chunks for t in c.tokens]
-            if cont := continuation(infill, answer, ip.tokens, tokens, m.vocab, m.token_bytes, layout, ended):
+            if cont := continuation(held, heal + answer, ip.tokens, tokens, m.vocab, m.token_bytes, layout, ended):
                 self.follows[ip.slot] = (cont, ip)
             # the next requests' wider context: built aside, afresh, first; widened in place only without an aside
             build, widen = ip.aside(), wider if eng.pool.aside is None else None
@@ -195,6 +198,13 @@ class LlamaRoutes:
         body = await self.svc.body_of(request)
         schemas.only_fields(body, {"messages", "model"}, "/apply-template")
         return JSONResponse({"prompt": self.svc.engine().chat_text(schemas.messages(body))})
+
+
+def _heals(body: dict[str, Any], c: GenerationConfig, layout: str) -> bool:
+    """Whether an /infill's typed text is healed (prompts.fim.healed): asked (token_healing), a completion, the
+    typed text at the prefix's end, and no grammar (both would constrain the first tokens)."""
+    return schemas.flag(body, "token_healing", True) and layout == "prefix" and c.max_tokens != 0 \
+        and c.grammar is None and c.json_schema is None
 
 
 def _llama_final(text: str, tokens: list[int], last: Chunk, model: str, req: schemas.Request) -> dict[str, Any]:

@@ -33,7 +33,8 @@ from edgespec.prompts.fim import LAYOUTS, FimPrompt, Infill, healed  # noqa: E40
 
 SUFFIX_LINES = 16
 PREFIX_LINES = 96  # the prefix starts this many lines before the first cursor of a file, then grows
-VARIANTS = {"prefix": ("prefix", False), "middle": ("middle", False), "healed": ("prefix", True)}  # layout, healed
+VARIANTS = {"prefix": ("prefix", False), "middle": ("middle", False), "healed": ("prefix", True),
+            "middle-healed": ("middle", True)}  # layout, healed
 
 
 def main() -> None:

@@ -64,7 +64,7 @@ class LlamaRoutes:
         layout = self.svc.settings.fim_layout
         infill, room = schemas.infill(body), min(room, eng.n_ctx // 2)
         follow = self._follow(infill, c) if c.max_tokens else None
-        held, heal = healed(infill) if (heals := _heals(body, c, layout)) and not follow else (infill, "")
+        held, heal = healed(infill) if (heals := _heals(body, c)) and not follow else (infill, "")
         ip = follow or eng.infill_prompt(held, room, budget, c.slot, c.cache_reuse, layout,
                                          warm_up=c.max_tokens == 0)
         if c.max_tokens:  # this generation leaves something else in the slot
@@ -200,11 +200,11 @@ class LlamaRoutes:
         return JSONResponse({"prompt": self.svc.engine().chat_text(schemas.messages(body))})
 
 
-def _heals(body: dict[str, Any], c: GenerationConfig, layout: str) -> bool:
-    """Whether an /infill's typed text is healed (prompts.fim.healed): asked (token_healing), a completion, the
-    typed text at the prefix's end, and no grammar (both would constrain the first tokens)."""
-    return schemas.flag(body, "token_healing", True) and layout == "prefix" and c.max_tokens != 0 \
-        and c.grammar is None and c.json_schema is None
+def _heals(body: dict[str, Any], c: GenerationConfig) -> bool:
+    """Whether an /infill's typed text is healed (prompts.fim.healed): asked (token_healing), a completion, and no
+    grammar (both would constrain the first tokens); in either layout, the middle's needing it most."""
+    return schemas.flag(body, "token_healing", True) and c.max_tokens != 0 and c.grammar is None \
+        and c.json_schema is None
 
 
 def _llama_final(text: str, tokens: list[int], last: Chunk, model: str, req: schemas.Request) -> dict[str, Any]:

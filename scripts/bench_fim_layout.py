@@ -80,12 +80,12 @@ def main() -> None:
                       file=sys.stderr)
     lines_out = ["| variant | cursors | right ≥ 4 chars | first line right | mean characters right | "
                  "prompt tokens evaluated (mean) |", "|---|---:|---:|---:|---:|---:|"]
-    for layout in args.variants:
-        rs = [r[layout] for r in records]
-        first_line = sum(bool(r[layout]["text"].split("\n")[0].strip())
-                         and r["real"].split("\n")[0] == r[layout]["text"].split("\n")[0] for r in records)
+    for variant in args.variants:
+        rs = [r[variant] for r in records]
+        first_line = sum(bool(r[variant]["text"].split("\n")[0].strip())
+                         and r["real"].split("\n")[0] == r[variant]["text"].split("\n")[0] for r in records)
         evaluated = sum(x["prompt_tokens"] - x["cached"] for x in rs) / len(rs)
-        lines_out.append(f"| {layout} | {len(rs)} | {sum(x['agree'] >= 4 for x in rs)} | {first_line} | "
+        lines_out.append(f"| {variant} | {len(rs)} | {sum(x['agree'] >= 4 for x in rs)} | {first_line} | "
                          f"{sum(x['agree'] for x in rs) / len(rs):.1f} | {evaluated:.0f} |")
     print("\n".join(lines_out))
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence, TypeVar
 
@@ -46,6 +47,7 @@ HELD_LINES = 8  # lines at the start of a cached prompt's lines that locate it i
 ANCHOR_SCAN = 512  # tokens before the cursor searched for the line before it (cursor_anchor); a longer line ends it
 # The longest word healed (the answer spells it again, a token at a time): past it, none is.
 HEAL_MAX_CHARS = 48
+_WORD_END = re.compile(r"\w+\Z")
 T = TypeVar("T")
 
 
@@ -339,14 +341,10 @@ def healed(infill: Infill) -> tuple[Infill, str]:
     with. Typed alone, a word's start is tokenized as the model would not have written it there, and the model goes
     on from those tokens as from a whole word; left out, the word is written in the model's own tokens
     (docs/editors.md). `infill` itself and "" where its typed text does not end inside a word."""
-    typed = infill.typed
-    start = len(typed)
-    word = lambda c: c.isalnum() or c == "_"  # noqa: E731 - as \w matches
-    while start > 0 and len(typed) - start <= HEAL_MAX_CHARS and word(typed[start - 1]):
-        start -= 1
-    if start == len(typed) or len(typed) - start > HEAL_MAX_CHARS:
+    word = _WORD_END.search(infill.typed[-HEAL_MAX_CHARS - 1:])  # a bounded tail: one longer is healed nowhere
+    if word is None or len(word.group()) > HEAL_MAX_CHARS:
         return infill, ""
-    return replace(infill, typed=typed[:start]), typed[start:]
+    return replace(infill, typed=infill.typed[:len(infill.typed) - len(word.group())]), word.group()
 
 
 def cached_lines(prompt: Sequence[int], vocab: Vocab, piece: Callable[[int], bytes]) -> str:

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from edgespec.decoding.costs import (PAUSE_BATCH_STEP, AcceptanceTracker, CostTracker, PromptRate, pause_batch,
-                                     time_batches)
+from edgespec.decoding.costs import (PAUSE_BATCH_STEP, AcceptanceTracker, CostTracker, PromptRate, contended,
+                                     pause_batch, time_batches)
 from edgespec.decoding.policy import Costs
 
 # ../shared/FACTS.md: time of a batch of B tokens over a single-token pass, 2-core CPU.
@@ -184,3 +184,11 @@ def test_background_batches_are_sized_to_end_within_the_pauses_seen():
     assert pause_batch(0.0, editor, rate.seconds, 20, 64) == 20  # what is left, though not a multiple of the step
     assert pause_batch(0.95, editor, rate.seconds, 256, 64) == 64  # none fits what is left: as if it will last
     assert all(pause_batch(t / 10, editor, rate.seconds, 300, 64) % PAUSE_BATCH_STEP == 0 for t in range(12))
+
+
+def test_a_timing_is_contended_where_others_take_cores_its_threads_need():
+    assert not contended(0.1, 2, 2)  # a quiet machine: the kernel's odd tick
+    assert contended(0.6, 2, 2)  # a build on the cores llama.cpp's threads run on
+    assert not contended(1.1, 2, 1)  # a pytest-xdist neighbour on the other core: it took none of this one's
+    assert contended(1.3, 2, 1)
+    assert not contended(10.0, 16, 4) and contended(12.5, 16, 4)

@@ -127,6 +127,26 @@ def test_the_engine_pads_prompt_batches_as_its_calibrated_curve_prices_them(smol
         assert [e.target.padded(n) for n in range(1, 80)] == [rate.padded(n) for n in range(1, 80)]
 
 
+def test_a_calibration_timed_while_other_processes_take_its_cores_is_used_but_not_cached(smollm_path, tmp_path):
+    """Cached, a timing taken under someone else's load would price every later run's prompts as dear as then."""
+    from edgespec.backend import Model
+    from edgespec.decoding.costs import Contention, calibrate
+
+    with Contention() as probe:
+        pass
+    # one busy loop per CPU this process may run on (inherited: under pytest-xdist, this worker's own core)
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in probe.cpus]
+    try:
+        with Model(smollm_path, LoadConfig(n_ctx=512)) as m:
+            costs = calibrate(m, None, 3, tmp_path)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert len(costs.target_seconds) == 3 and all(t > 0 for t in costs.target_seconds)
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_generation_cancelled_before_it_begins_leaves_the_cache_as_it_was(smollm_path):
     # A warm-up preempted before its turn came: it must not evict what the next request reuses.
     import threading

@@ -41,6 +41,9 @@ CACHE_VERSION = 9  # 9: PROMPT_BATCHES timed too; 8: an AMX build repacks its we
 # varies between runs, and a batch that overruns the pause is lost.
 PAUSE_BATCH_STEP = 8
 PAUSE_MARGIN = 1.15
+# Cores other processes may keep busy on this process's CPUs, past those its threads leave free, for a timing to be
+# cached: one taken while a build or a benchmark ran would price every later run's prompts as dear as then.
+CONTENDED_CORES = 0.25
 TimingProgress = Callable[[str, int, int], None]  # (model file name, passes timed, passes in all)
 
 
@@ -274,7 +277,12 @@ def _measured_or_timed(model, batches: tuple[int, ...], cache_dir: Path, device:
     if cached is not None and cached[0] == batches:
         log.info("costs of %s from cache %s", model.path.name, path)
         return cached[1]
-    seconds = time_batches(model, batches, progress)
+    with Contention() as busy:
+        seconds = time_batches(model, batches, progress)
+    if contended(busy.others, len(busy.cpus), model.cfg.n_threads):
+        log.warning("costs of %s timed while other processes kept %.1f of this process's %d CPUs busy: used for this "
+                    "run, not cached (timed again at the next load)", model.path.name, busy.others, len(busy.cpus))
+        return seconds
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -283,6 +291,43 @@ def _measured_or_timed(model, batches: tuple[int, ...], cache_dir: Path, device:
     except OSError as e:
         log.warning("could not cache calibration at %s: %s", path, e)
     return seconds
+
+
+def contended(others: float, cpus: int, threads: int) -> bool:
+    """Whether other processes keeping `others` cores busy on `cpus` CPUs slowed a timing on `threads` threads: more
+    than the CPUs the threads leave free, by CONTENDED_CORES."""
+    return others > max(0, cpus - threads) + CONTENDED_CORES
+
+
+class Contention:
+    """Over a span (a `with` block): the cores other processes kept busy, on average, on the CPUs this process may
+    run on (`others`), the hypervisor's steal included: time this process's threads could not have had."""
+
+    def __enter__(self) -> "Contention":
+        import psutil
+
+        me, n = psutil.Process(), len(psutil.cpu_times(percpu=True))
+        allowed = me.cpu_affinity() if hasattr(me, "cpu_affinity") else []  # none on macOS: every CPU
+        self.cpus = [c for c in allowed if c < n] or list(range(n))
+        self._me, self.others = me, 0.0
+        self._start = (time.perf_counter(), self._busy(), self._mine())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        t0, busy0, mine0 = self._start
+        wall = time.perf_counter() - t0
+        self.others = max(0.0, (self._busy() - busy0) - (self._mine() - mine0)) / wall if wall > 0 else 0.0
+
+    def _busy(self) -> float:
+        import psutil
+
+        per_cpu = psutil.cpu_times(percpu=True)
+        return sum(getattr(per_cpu[c], f, 0.0) for c in self.cpus
+                   for f in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+    def _mine(self) -> float:
+        t = self._me.cpu_times()
+        return t.user + t.system
 
 
 def _read_cached(path: Path) -> tuple[tuple[int, ...], tuple[float, ...]] | None:

@@ -516,11 +516,10 @@ assert _TOKEN_DATA.itemsize == ctypes.sizeof(llama_cpp.llama_token_data)
 
 
 class Grammar:
-    """llama.cpp's grammar sampler over a model's vocabulary: which tokens may come next, advanced token by token.
+    """llama.cpp's grammar sampler over a model's vocabulary: which tokens may come next, advanced token by token
+    (`accept` only ever takes a token `allowed` admitted: llama.cpp aborts the process on a forbidden one)."""
 
-    llama.cpp aborts the process when a grammar accepts a token it forbids, so `accept` is only
-    ever called with a token `allowed` admitted.
-    """
+    done = False  # it constrains every token to the end (rules.Grammar)
 
     def __init__(self, model: Model, gbnf: str, root: str = "root", *, what: str = "grammar",
                  trigger: str | None = None) -> None:

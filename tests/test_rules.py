@@ -19,6 +19,8 @@ N_VOCAB = 5000
 class SetGrammar:
     """Admits the ids in `allowed[step]` at each step; accepting a forbidden id is an error, as in llama.cpp."""
 
+    done = False
+
     def __init__(self, allowed: list[np.ndarray], step: int = 0) -> None:
         self.sets, self.step = allowed, step
 

@@ -32,6 +32,8 @@ _WIDTHS = (1, 64, 2048)  # candidates masked before the whole vocabulary
 class Grammar(Protocol):
     """backend.Grammar's surface: a mask over candidate ids, advanced by committed tokens."""
 
+    done: bool  # it admits every token from here on: the rows after are read as without it
+
     def allowed(self, ids: np.ndarray) -> np.ndarray: ...
 
     def accept(self, token: int) -> None: ...
@@ -107,8 +109,8 @@ class Rules:
     def accept(self, token: int) -> None:
         if self.grammar is not None:
             self.grammar.accept(token)
-            if isinstance(self.grammar, Start) and not self.grammar.left:
-                self.grammar = None  # healed: the rows after it are read as without a grammar
+            if self.grammar.done:  # healed (Start): its owner closes it
+                self.grammar = None
 
     def admits(self, tokens: Sequence[int]) -> int:
         """How many leading `tokens` the grammar admits from its current state (all, without a grammar)."""
@@ -185,6 +187,10 @@ class Start:
     def __init__(self, text: bytes, pieces: Pieces) -> None:
         self.left, self.pieces = text, pieces
         self._ok = pieces.agreeing(text) if text else None
+
+    @property
+    def done(self) -> bool:
+        return not self.left
 
     def allowed(self, ids: np.ndarray) -> np.ndarray:
         if self._ok is None:

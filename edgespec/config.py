@@ -47,7 +47,9 @@ LLAMA_TEMPERATURE = 0.8
 # (engine.infill) move as short chunks: the suffix's first lines, the prefix after a line was added.
 INFILL_CACHE_REUSE = 16
 FIM_LAYOUTS = ("prefix", "middle")  # where /infill puts the typed part of the cursor line (prompts.fim)
-DEFAULT_FIM_LAYOUT = "prefix"
+# After <fim_middle>: a keystroke then costs only its own tokens, the suffix stays cached, and healed (the typed
+# text's trailing word or blanks) it completes as llama.cpp's layout does (docs/bench/editor.md).
+DEFAULT_FIM_LAYOUT = "middle"
 # Seconds past GenerationConfig.time_limit that a line may run before it is cut: as long again, at most this.
 TIME_LIMIT_GRACE = 0.5
 # Visible characters an answer's whole lines must hold before its time limit drops the line under way instead of

@@ -67,7 +67,7 @@ def main() -> None:
                 row = {"where": f"{path.name}:{c.line + 1}:{c.col}", "real": c.real}
                 for slot, variant in enumerate(args.variants):
                     layout, heals = VARIANTS[variant]
-                    held, heal = healed(infill) if heals else (infill, "")
+                    held, heal = healed(infill, layout) if heals else (infill, "")
                     tokens, _, _ = prompts[layout].tokens(held)
                     t0 = time.perf_counter()
                     out = eng.generate(tokens, GenerationConfig(max_tokens=args.max_tokens, slot=slot, memory=None,

@@ -3,6 +3,7 @@ request evaluates after the window slid, after an insertion, after a warm-up, an
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -174,7 +175,68 @@ def test_llama_vim_speculative_request_costs_a_handful_of_prompt_tokens(server):
     assert spec["timings"]["prompt_n"] <= 2 and spec["timings"]["shifted_n"] == 0, (first, spec)
     other = httpx.post(server.url + "/infill", json={**fim, "input_prefix": shown.prefix, "prompt": shown.typed + "x",
                                                      "t_max_predict_ms": 1000}, timeout=300).json()
-    assert not other["infill"]["continued"] and other["timings"]["prompt_n"] > 2, other
+    # laid out afresh; in the middle layout (the default) that costs the tokens typed on, the rest is cached
+    assert not other["infill"]["continued"] and other["infill"]["layout"] == "middle", other
+
+
+def test_llama_cpps_layout_is_kept_on_request_and_moves_the_suffix_on_every_keystroke(qwen_draft_path):
+    """--fim-layout prefix: the typed text ends the prefix, as llama.cpp lays it out; the editor's speculative request
+    is served by the answer's prompt and tokens there too, and typing on moves the suffix, evaluated again."""
+    from test_server import Server
+
+    s = Server(qwen_draft_path, "--ctx", "2048", "--slots", "1", "--fim-layout", "prefix")
+    try:
+        fim = {"input_prefix": "".join(SOURCE[:20]) + "def add(a, b):\n", "input_suffix": "\n\nprint(add(1, 2))\n",
+               "prompt": "    return a", "n_predict": 2, "temperature": 0, "t_max_prompt_ms": 60000,
+               "t_max_predict_ms": 250}
+        first = httpx.post(s.url + "/infill", json=fim, timeout=300).json()
+        assert first["infill"]["layout"] == "prefix", first
+        shown = accepted(Infill(fim["input_prefix"], fim["input_suffix"], fim["prompt"]), first["content"])
+        spec = httpx.post(s.url + "/infill", json={**fim, "input_prefix": shown.prefix, "prompt": shown.typed},
+                          timeout=300).json()
+        assert spec["infill"]["continued"] and spec["timings"]["prompt_n"] <= 2, (first, spec)
+        other = httpx.post(s.url + "/infill", json={**fim, "input_prefix": shown.prefix, "prompt": shown.typed + "x"},
+                           timeout=300).json()
+        suffix = len(httpx.post(s.url + "/tokenize", json={"content": fim["input_suffix"]}).json()["tokens"])
+        assert not other["infill"]["continued"] and other["timings"]["prompt_n"] > suffix, other
+    finally:
+        s.stop()
+
+
+def test_in_the_middle_layout_the_request_after_a_finished_line_is_served_at_the_next_line(qwen_path):
+    """--fim-layout middle: the typed text after <fim_middle>, so with the line done the model would only end again.
+    The answer it ended serves llama.vim's speculative request at the next line's start: its prompt and tokens and a
+    line break, evaluated at a token or two; the answer (if any) starts with the line break the editor needs."""
+    from test_server import Server
+
+    s = Server(qwen_path, "--ctx", "2048", "--slots", "1", "--fim-layout", "middle")
+    try:
+        fim = {"input_prefix": "".join(SOURCE[:20]) + "def f20(x):\n",
+               "input_suffix": "\n\n\nif __name__ == '__main__':\n    print(f20(1))\n",
+               "prompt": "    return x * 20", "n_predict": 32, "temperature": 0, "t_max_prompt_ms": 60000,
+               "t_max_predict_ms": 1000}
+        first = httpx.post(s.url + "/infill", json=fim, timeout=300).json()
+        assert first["stop_type"] == "eos" and first["infill"]["layout"] == "middle", first
+        shown = accepted(Infill(fim["input_prefix"], fim["input_suffix"], fim["prompt"]), first["content"])
+        spec = httpx.post(s.url + "/infill", json={**fim, "input_prefix": shown.prefix, "prompt": shown.typed},
+                          timeout=300).json()
+        assert spec["infill"]["continued"] and spec["timings"]["prompt_n"] <= 2, (first, spec)
+        assert spec["content"] == "" or spec["content"].startswith("\n"), spec
+        # where the model writes a next line (its ends of text banned), the answer starts with the line break: whole,
+        # and streamed in the first event with text
+        ends = httpx.post(s.url + "/tokenize", json={"content": "<|endoftext|><|fim_pad|><|repo_name|><|file_sep|>"
+                                                                "<|im_end|>", "parse_special": True}).json()["tokens"]
+        nxt = {**fim, "input_prefix": shown.prefix, "prompt": shown.typed, "logit_bias": [[t, False] for t in ends]}
+        for stream in (False, True):
+            assert httpx.post(s.url + "/infill", json=fim, timeout=300).json()["content"] == first["content"]
+            with httpx.stream("POST", s.url + "/infill", json={**nxt, "stream": stream}, timeout=300) as r:
+                lines = list(r.iter_lines())
+            events = [json.loads(line.removeprefix("data: ")) for line in lines if line.strip()]
+            text = "".join(e["content"] for e in events)
+            assert events[-1]["infill"]["continued"] and text.startswith("\n") and text.strip(), events
+            assert stream or len(events) == 1
+    finally:
+        s.stop()
 
 
 def test_a_request_preempts_a_warm_up_in_flight(server):
@@ -375,8 +437,8 @@ def test_once_the_slot_holds_an_aside_build_the_next_one_is_wider(qwen_draft_pat
 
 def test_a_typed_word_is_healed_and_the_answer_spells_it_in_the_models_own_tokens(server):
     """Typed text that ends inside a word ("os.listd") leaves the word out of the prompt; the answer's first tokens
-    spell it again, as the model tokenizes it, and the answer goes out without it. token_healing false keeps
-    llama.cpp's layout; anything but a boolean is refused by name."""
+    spell it again, as the model tokenizes it, and the answer goes out without it. token_healing false lays the
+    typed text out whole; anything but a boolean is refused by name."""
     fim = {"input_prefix": "import os\n\n\ndef list_files(root):\n    out = []\n", "input_suffix": "\n    return out\n",
            "prompt": "    for name in os.listd", "n_predict": 6, "temperature": 0, "return_tokens": True}
     out = httpx.post(server.url + "/infill", json=fim, timeout=300).json()
@@ -384,6 +446,7 @@ def test_a_typed_word_is_healed_and_the_answer_spells_it_in_the_models_own_token
     assert out["infill"]["healed"] == "listd" and spelled == "listd" + out["content"], out
     assert out["content"].startswith("ir("), out
     plain = httpx.post(server.url + "/infill", json={**fim, "token_healing": False}, timeout=300).json()
-    assert plain["infill"]["healed"] == "" and plain["content"].startswith("ir("), plain
+    spelled = httpx.post(server.url + "/detokenize", json={"tokens": plain["tokens"]}, timeout=60).json()["content"]
+    assert plain["infill"]["healed"] == "" and spelled == plain["content"], plain
     bad = httpx.post(server.url + "/infill", json={**fim, "token_healing": "yes"}, timeout=60)
     assert bad.status_code == 400 and "'token_healing' must be true or false" in bad.json()["error"]["message"]

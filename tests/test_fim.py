@@ -261,6 +261,34 @@ def test_the_editors_next_request_is_served_by_the_answer_left_in_the_prompt():
     assert continuation(at, answer + "\n\n", prompt, chars(answer + "\n\n"), PLAIN, lambda t: chr(t).encode()) is None
 
 
+def test_in_the_middle_layout_an_answer_the_model_ended_is_continued_at_the_next_line():
+    """Typed text after <fim_middle> with its line done and the suffix after it: asked again as it stands, the model
+    only ends again (an empty suggestion). Ended by the model (not by a stop string), the answer's prompt goes on
+    with a line break, and the answer to the editor's next request starts with it."""
+    fim = FimPrompt(PLAIN, chars, "middle")
+    at = Infill("def f(x):\n", "\nz\n", "    return")
+    prompt, _, _ = fim.tokens(at)
+    piece = lambda t: chr(t).encode()  # noqa: E731
+    answer = " x + 1"
+    cont = continuation(at, answer, prompt, chars(answer), PLAIN, piece, "middle", ended=True, newline=[ord("\n")])
+    assert cont.tokens == prompt + chars(answer + "\n") and cont.lead == "\n"
+    assert cont.serves(accepted(at, answer))
+    # the model's own line break, where it wrote one (the editor drops it): kept, and the lead is what it wrote
+    cont = continuation(at, answer + "\n", prompt, chars(answer + "\n"), PLAIN, piece, "middle", ended=True,
+                        newline=[ord("\n")])
+    assert cont.tokens == prompt + chars(answer + "\n") and cont.lead == "\n"
+    # without the newline's tokens (a stop string ended it), in the prefix layout, or past a blank line: none
+    assert continuation(at, answer, prompt, chars(answer), PLAIN, piece, "middle", ended=True) is None
+    plain_prompt, _, _ = FimPrompt(PLAIN, chars).tokens(at)
+    assert continuation(at, answer, plain_prompt, chars(answer), PLAIN, piece, ended=True,
+                        newline=[ord("\n")]) is None
+    assert continuation(at, answer + "\nx", prompt, chars(answer + "\nx"), PLAIN, piece, "middle", ended=True,
+                        newline=[ord("\n")]).lead == "\n"
+    # not ended (cut by the time limit): as in the prefix layout, the prompt and the answer's tokens, no lead
+    cont = continuation(at, answer, prompt, chars(answer), PLAIN, piece, "middle", newline=[ord("\n")])
+    assert cont.tokens == prompt + chars(answer) and cont.lead == ""
+
+
 def test_the_stable_part_keeps_its_first_line_as_the_cursor_moves_down_and_a_fit_starts_there():
     """An aside build holds the lines before the cursor line: the nearest that fit `first` tokens, and, once built,
     from the same first line on while they fit `most`. A prompt priced against it starts where it does."""
@@ -291,6 +319,11 @@ def test_healing_leaves_out_the_word_the_typed_text_ends_inside():
     for typed in ("    return x.", "f(", "x = ", "", "    ", "a" * (HEAL_MAX_CHARS + 1)):
         assert healed(Infill("", "", typed)) == (Infill("", "", typed), "")
     assert healed(Infill("", "", " " + "a" * HEAL_MAX_CHARS))[1] == "a" * HEAL_MAX_CHARS
+    # after <fim_middle> the model reads the typed text as its own: the blanks it ends with are healed there too
+    assert healed(Infill("", "", "for pattern "), "middle") == (Infill("", "", "for pattern"), " ")
+    assert healed(Infill("", "", "x =\t "), "middle") == (Infill("", "", "x ="), "\t ")
+    assert healed(Infill("", "", "    return x.app"), "middle") == healed(Infill("", "", "    return x.app"))
+    assert healed(Infill("", "", "f("), "middle") == (Infill("", "", "f("), "")
 
 
 def test_a_healed_answer_serves_the_editors_next_request_with_the_models_own_tokens():

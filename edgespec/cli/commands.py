@@ -147,8 +147,8 @@ def chat_cmd(system: str | None, interactive: bool | None, show_draft: bool, cac
                    "as llama-server's --cache-reuse; 0 reuses only the common prefix [default: 16 on /infill, 0 "
                    "elsewhere]. Close to a fresh evaluation, not identical.")
 @click.option("--fim-layout", type=click.Choice(FIM_LAYOUTS), default=DEFAULT_FIM_LAYOUT, show_default=True,
-              help="/infill: the typed part of the cursor line ends the prefix (llama.cpp's layout) or starts the "
-                   "middle (a keystroke then appends to the prompt).")
+              help="/infill: the typed part of the cursor line starts the middle (a keystroke then appends to the "
+                   "prompt) or ends the prefix (llama.cpp's layout).")
 @click.option("--shutdown-grace", type=click.FloatRange(min=0), default=SHUTDOWN_GRACE_SECONDS, show_default=True,
               help="Seconds requests in flight get after SIGTERM or Ctrl-C before they are cancelled; "
                    "a second signal cancels them at once.")

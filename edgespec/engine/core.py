@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from edgespec.backend import Grammar, Model, open_facts
-from edgespec.config import DEFAULT_MODEL, EngineConfig, GenerationConfig, LoadConfig
+from edgespec.config import DEFAULT_FIM_LAYOUT, DEFAULT_MODEL, EngineConfig, GenerationConfig, LoadConfig
 from edgespec.decoding.costs import CostTracker, PromptRate, calibrate
 from edgespec.decoding.loop import Stats, planned
 from edgespec.decoding.policy import DRAFT_P_MIN, Costs, draft_can_pay, draft_cannot_pay
@@ -215,7 +215,7 @@ class Engine:
         return chat.model_tokens(self.target, messages, add_generation_prompt, tools)
 
     def infill_prompt(self, infill: Infill, max_tokens: int, budget_seconds: float | None = None,
-                      slot: int | None = None, cache_reuse: int = 0, layout: str = "prefix",
+                      slot: int | None = None, cache_reuse: int = 0, layout: str = DEFAULT_FIM_LAYOUT,
                       warm_up: bool = False) -> InfillPrompt:
         """A fill-in-the-middle prompt leaving `max_tokens` of room: sized for `budget_seconds` of prompt evaluation
         against what the slot holds, or as llama.cpp sizes it; a `warm_up` keeps the slot's FIM part (engine.infill)."""

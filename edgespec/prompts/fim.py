@@ -48,6 +48,7 @@ ANCHOR_SCAN = 512  # tokens before the cursor searched for the line before it (c
 # The longest word healed (the answer spells it again, a token at a time): past it, none is.
 HEAL_MAX_CHARS = 48
 _WORD_END = re.compile(r"\w+\Z")
+_BLANK_END = re.compile(r"[ \t]+\Z")
 T = TypeVar("T")
 
 
@@ -336,12 +337,15 @@ def accepted(infill: Infill, suggestion: str) -> Infill | None:
     return Infill(infill.prefix + "".join(line + "\n" for line in done), infill.suffix, lines[-1], infill.extra)
 
 
-def healed(infill: Infill) -> tuple[Infill, str]:
+def healed(infill: Infill, layout: str = "prefix") -> tuple[Infill, str]:
     """Token healing: `infill` less the word its typed text ends inside, and that word, which the answer must start
     with. Typed alone, a word's start is tokenized as the model would not have written it there, and the model goes
     on from those tokens as from a whole word; left out, the word is written in the model's own tokens
-    (docs/editors.md). `infill` itself and "" where its typed text does not end inside a word."""
-    word = _WORD_END.search(infill.typed[-HEAL_MAX_CHARS - 1:])  # a bounded tail: one longer is healed nowhere
+    (docs/editors.md). In the middle `layout` the blanks it ends with too: there the model reads the typed text as
+    its own, and a space before a word is the word's token's own (" in"), not one the model writes alone. `infill`
+    itself and "" where its typed text ends otherwise."""
+    tail = infill.typed[-HEAL_MAX_CHARS - 1:]  # a bounded tail: a longer word is healed nowhere
+    word = _WORD_END.search(tail) or (_BLANK_END.search(tail) if layout == "middle" else None)
     if word is None or len(word.group()) > HEAL_MAX_CHARS:
         return infill, ""
     return replace(infill, typed=infill.typed[:len(infill.typed) - len(word.group())]), word.group()
@@ -482,6 +486,7 @@ class Continuation:
     infill: Infill  # the request, as accepted() predicts it
     held: str  # the end of its prefix that the prompt holds: the editor's window may drop lines before it
     tokens: list[int]
+    lead: str = ""  # what the prompt holds past the request's text, which its answer starts with (a line break)
 
     def serves(self, request: Infill) -> bool:
         want = self.infill
@@ -490,22 +495,30 @@ class Continuation:
 
 
 def continuation(infill: Infill, answer: str, prompt: Sequence[int], generated: Sequence[int], vocab: Vocab,
-                 piece: Callable[[int], bytes], layout: str = "prefix", ended: bool = False) -> Continuation | None:
+                 piece: Callable[[int], bytes], layout: str = "prefix", ended: bool = False,
+                 newline: Sequence[int] = ()) -> Continuation | None:
     """How the editor's request after `answer` (a completion of `prompt` at `infill`, its tokens `generated`) is
-    served; None for a prompt that is not a FIM prompt of `layout`, and for an answer that ends where the model
-    chose (`ended`: its end of generation or a stop string) or that the editor does not show whole (blank lines
-    dropped, a line the indentation cut): the same prompt would only choose that end again."""
+    served; None for a prompt that is not a FIM prompt of `layout`, and for an answer that the editor does not show
+    whole (blank lines dropped, a line the indentation cut) or that ends where the model chose (`ended`: its end of
+    generation or a stop string): the same prompt would only choose that end again. Except in the middle layout,
+    given the tokens of a `newline` (an end of generation, not a stop string): there the answer's line is done, and
+    the prompt goes on at the next line's start, the answer to come starting with the line break (`lead`)."""
     nxt, tokens = accepted(infill, answer), list(prompt)
     pre = _last(tokens, vocab.fim_pre)
     suf = len(tokens) if pre is None else _find(tokens, vocab.fim_suf, pre)
-    if nxt is None or ended or suf == len(tokens):
+    next_line = ended and layout == "middle" and bool(newline)
+    if nxt is None or (ended and not next_line) or suf == len(tokens):
         return None
     held = b"".join(piece(t) for t in tokens[pre + 1:suf])
     typed = infill.typed.encode() if layout == "prefix" else b""
     shown, got, k = answer.rstrip("\n").encode(), b"", 0
     while len(got) < len(shown) and k < len(generated):
         got, k = got + piece(generated[k]), k + 1
-    if got != shown or k < len(generated) or not held.endswith(typed):
+    dropped = b"".join(piece(t) for t in generated[k:])  # past what the editor shows: blank lines, if anything
+    if got != shown or not held.endswith(typed) or (dropped and not (next_line and not dropped.strip(b"\n"))):
         return None
     held_text = held[:len(held) - len(typed)].decode("utf-8", "replace")
+    if next_line:  # the line breaks the model ended with, else one
+        return Continuation(nxt, held_text + nxt.prefix[len(infill.prefix):],
+                            [*tokens, *generated, *(() if dropped else newline)], dropped.decode() or "\n")
     return Continuation(nxt, held_text + nxt.prefix[len(infill.prefix):], [*tokens, *generated[:k]])

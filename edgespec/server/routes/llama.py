@@ -63,8 +63,8 @@ class LlamaRoutes:
         room = c.max_tokens if c.max_tokens else LLAMA_N_PREDICT  # kept free for the answer
         layout = self.svc.settings.fim_layout
         infill, room = schemas.infill(body), min(room, eng.n_ctx // 2)
-        follow = self._follow(infill, c) if c.max_tokens else None
-        held, heal = healed(infill) if (heals := _heals(body, c)) and not follow else (infill, "")
+        follow, lead = self._follow(infill, c) if c.max_tokens else (None, "")
+        held, heal = healed(infill, layout) if (heals := _heals(body, c)) and not follow else (infill, "")
         ip = follow or eng.infill_prompt(held, room, budget, c.slot, c.cache_reuse, layout,
                                          warm_up=c.max_tokens == 0)
         if c.max_tokens:  # this generation leaves something else in the slot
@@ -81,7 +81,7 @@ class LlamaRoutes:
             it would be refused: its typed text over the room)."""
             if (nxt := accepted(infill, answer)) is not None:
                 try:
-                    nxt = healed(nxt)[0] if heals else nxt  # as its own request will be laid out
+                    nxt = healed(nxt, layout)[0] if heals else nxt  # as its own request will be laid out
                     shown["next"] = eng.infill_prompt(nxt, room, budget, ip.slot, c.cache_reuse, layout)
                 except InvalidRequestError:
                     return
@@ -94,42 +94,54 @@ class LlamaRoutes:
         def after(chunks: list[Chunk]) -> None:  # budgeted requests are an editor's: ready what comes next
             if budget is None or self.svc.draining:
                 return
-            m, answer, ended = eng.target, "".join(c.text for c in chunks), chunks[-1].finish_reason == "stop"
-            tokens = [t for c in chunks for t in c.tokens]
-            if cont := continuation(held, heal + answer, ip.tokens, tokens, m.vocab, m.token_bytes, layout, ended):
-                self.follows[ip.slot] = (cont, ip)
+            answer = "".join(c.text for c in chunks)
+            # an answer sent with a lead is not the text its tokens spell: the request after it is laid out afresh
+            kept = not lead and self._keep(held, heal, ip, chunks, layout)
             # the next requests' wider context: built aside, afresh, first; widened in place only without an aside
             build, widen = ip.aside(), wider if eng.pool.aside is None else None
             aside = None if build is None else lambda cancel: eng.build_aside(*build, cancel, self.svc.background_batch)
-            self.svc.warm(widen, req.config, WIDEN_DELAY, now=lambda: () if cont else ahead(answer), aside=aside)
+            self.svc.warm(widen, req.config, WIDEN_DELAY, now=lambda: () if kept or lead else ahead(answer),
+                          aside=aside)
 
         return await self.respond(request, ip.tokens, req, "the infill prompt ('input_prefix', 'input_suffix', "
                                                            "'prompt', 'input_extra')", infill=True, report=report,
-                                  after=after)
+                                  after=after, lead=lead)
 
-    def _follow(self, infill: Infill, c: GenerationConfig) -> InfillPrompt | None:
-        """The prompt an earlier answer left for this request (prompts.fim.Continuation), in the slot it asks for."""
+    def _keep(self, held: Infill, heal: str, ip: InfillPrompt, chunks: list[Chunk], layout: str) -> bool:
+        """Keep the prompt that serves the editor's request after this answer (`chunks`, of the prompt `ip` laid out
+        for `held`), where there is one (prompts.fim.continuation); whether there is."""
+        m, last = self.svc.engine().target, chunks[-1]
+        answer, tokens = "".join(c.text for c in chunks), [t for c in chunks for t in c.tokens]
+        ended = last.finish_reason == "stop"
+        newline = m.tokenize("\n", add_special=False, parse_special=False) if ended and not last.stop_word else ()
+        if cont := continuation(held, heal + answer, ip.tokens, tokens, m.vocab, m.token_bytes, layout, ended,
+                                newline):
+            self.follows[ip.slot] = (cont, ip)
+        return cont is not None
+
+    def _follow(self, infill: Infill, c: GenerationConfig) -> tuple[InfillPrompt | None, str]:
+        """The prompt an earlier answer left for this request (prompts.fim.Continuation), in the slot it asks for,
+        and what the answer starts with that the prompt holds (its lead); (None, "") where none was left."""
         eng = self.svc.engine()
         for slot, (cont, ip) in list(self.follows.items()):
             if cont.serves(infill) and (c.slot is None or c.slot < 0 or c.slot % len(eng.slots) == slot):
                 del self.follows[slot]
                 new = len(cont.tokens) - eng.slots[slot].cache.shared_prefix(cont.tokens)
-                return dataclasses.replace(ip, tokens=cont.tokens, new_tokens=new)
-        return None
+                return dataclasses.replace(ip, tokens=cont.tokens, new_tokens=new), cont.lead
+        return None, ""
 
     async def respond(self, request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
                       infill: bool = False, report: dict[str, Any] | None = None,
-                      after: Callable[[list[Chunk]], None] | None = None) -> Response:
+                      after: Callable[[list[Chunk]], None] | None = None, lead: str = "") -> Response:
         """Run the generation and answer as llama.cpp does; `report` joins the final object, `after` runs once the
-        answer is complete, with its (first completion's) chunks."""
+        answer is complete, with its (first completion's) chunks; `lead` goes before a text that is not empty."""
         check_request(self.svc.engine(), prompt, prompt_name, req)
         req = in_namespace(request, req)
         model, piece = self.svc.settings.model_name, self.svc.engine().target.token_piece
         cancel = threading.Event()
-        if infill and self.svc.settings.infill_cancel_older:
-            for older in list(self.svc.infills):
-                older.set()
         if infill:
+            for older in list(self.svc.infills) if self.svc.settings.infill_cancel_older else ():
+                older.set()
             self.svc.infills.add(cancel)
         try:
             if not req.stream:
@@ -141,7 +153,7 @@ class LlamaRoutes:
                         chunks = [_skipped(chunks[-1], len(prompt))]
                     else:
                         chunks = await self.svc.run(request, prompt, later, cancel, aside_first=infill)
-                    answers.append(chunks)
+                    answers.append(chunks := _led(chunks, lead))
                     final = _llama_final("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
                                          chunks[-1], model, req) | (report or {}) | {"index": i}
                     if req.config.logprobs is not None:
@@ -168,6 +180,7 @@ class LlamaRoutes:
                         if after is not None:
                             after([*seen, c])
                     elif c.text or c.tokens:
+                        c = c if any(s.text for s in seen) else _led([c], lead)[0]
                         seen.append(c)
                         event = {"content": c.text, "tokens": c.tokens, "stop": False}
                         if c.logprobs:
@@ -233,6 +246,14 @@ def _llama_final(text: str, tokens: list[int], last: Chunk, model: str, req: sch
         },
         "speculative": spec(s, req),
     }
+
+
+def _led(chunks: list[Chunk], lead: str) -> list[Chunk]:
+    """`chunks` with `lead` before the first text in them (none where they hold no text)."""
+    i = next((i for i, c in enumerate(chunks) if c.text), None)
+    if not lead or i is None:
+        return chunks
+    return [*chunks[:i], dataclasses.replace(chunks[i], text=lead + chunks[i].text), *chunks[i + 1:]]
 
 
 def _later(req: schemas.Request, first: Chunk) -> tuple[schemas.Request, float]:

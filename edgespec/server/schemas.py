@@ -86,10 +86,10 @@ FIELDS: dict[str, Field] = {
     "input_prefix": Field("code before the cursor", (INFILL,)),
     "input_suffix": Field("code after the cursor", (INFILL,)),
     "input_extra": Field("other files' chunks [{filename, text}], as repository context", (INFILL,)),
-    "token_healing": Field("where the typed text ('prompt') ends inside a word, the word is left out of the prompt "
-                           "and the answer's first tokens must spell it, so the model writes it in tokens of its own "
-                           "(token healing; default true, not with a grammar or a continued answer; false lays the "
-                           "prompt out as llama.cpp does)", (INFILL,)),
+    "token_healing": Field("where the typed text ('prompt') ends inside a word (in the middle layout, in blanks "
+                           "too), the word is left out of the prompt and the answer's first tokens must spell it, so "
+                           "the model writes it in tokens of its own (token healing; default true, not with a grammar "
+                           "or a continued answer; false keeps the typed text whole)", (INFILL,)),
     # -- length and stopping ----------------------------------------------------------------------------------
     "n_predict": Field("most tokens; -1 until the context ends, 0 evaluates the prompt into the cache only; more "
                        "than the room left ends at the context's end with finish reason length"),

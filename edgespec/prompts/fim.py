@@ -514,8 +514,9 @@ def continuation(infill: Infill, answer: str, prompt: Sequence[int], generated: 
     shown, got, k = answer.rstrip("\n").encode(), b"", 0
     while len(got) < len(shown) and k < len(generated):
         got, k = got + piece(generated[k]), k + 1
-    dropped = b"".join(piece(t) for t in generated[k:])  # past what the editor shows: blank lines, if anything
-    if got != shown or not held.endswith(typed) or (dropped and not (next_line and not dropped.strip(b"\n"))):
+    # past what the editor shows: nothing, or where the prompt goes on at the next line, the line breaks it drops
+    dropped = b"".join(piece(t) for t in generated[k:])
+    if got != shown or not held.endswith(typed) or (dropped and (not next_line or dropped.strip(b"\n"))):
         return None
     held_text = held[:len(held) - len(typed)].decode("utf-8", "replace")
     if next_line:  # the line breaks the model ended with, else one

@@ -96,7 +96,7 @@ class LlamaRoutes:
                 return
             answer = "".join(c.text for c in chunks)
             # an answer sent with a lead is not the text its tokens spell: the request after it is laid out afresh
-            kept = not lead and self._keep(held, heal, ip, chunks, layout)
+            kept = not lead and self._keep(held, heal + answer, ip, chunks, layout)
             # the next requests' wider context: built aside, afresh, first; widened in place only without an aside
             build, widen = ip.aside(), wider if eng.pool.aside is None else None
             aside = None if build is None else lambda cancel: eng.build_aside(*build, cancel, self.svc.background_batch)
@@ -107,15 +107,14 @@ class LlamaRoutes:
                                                            "'prompt', 'input_extra')", infill=True, report=report,
                                   after=after, lead=lead)
 
-    def _keep(self, held: Infill, heal: str, ip: InfillPrompt, chunks: list[Chunk], layout: str) -> bool:
+    def _keep(self, held: Infill, written: str, ip: InfillPrompt, chunks: list[Chunk], layout: str) -> bool:
         """Keep the prompt that serves the editor's request after this answer (`chunks`, of the prompt `ip` laid out
-        for `held`), where there is one (prompts.fim.continuation); whether there is."""
+        for `held`; `written`: their text and the healed word before it), where there is one
+        (prompts.fim.continuation); whether there is."""
         m, last = self.svc.engine().target, chunks[-1]
-        answer, tokens = "".join(c.text for c in chunks), [t for c in chunks for t in c.tokens]
-        ended = last.finish_reason == "stop"
+        tokens, ended = [t for c in chunks for t in c.tokens], last.finish_reason == "stop"
         newline = m.tokenize("\n", add_special=False, parse_special=False) if ended and not last.stop_word else ()
-        if cont := continuation(held, heal + answer, ip.tokens, tokens, m.vocab, m.token_bytes, layout, ended,
-                                newline):
+        if cont := continuation(held, written, ip.tokens, tokens, m.vocab, m.token_bytes, layout, ended, newline):
             self.follows[ip.slot] = (cont, ip)
         return cont is not None
 

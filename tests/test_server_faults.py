@@ -3,6 +3,7 @@ half-sent requests, and its model file replaced, deleted or overwritten while it
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import signal
@@ -149,3 +150,24 @@ def test_model_file_changed_under_a_running_server_is_not_a_crash(fault, smollm_
         assert s.proc.poll() is None and s.health()["status"] == "ok"
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("awaited", [False, True])
+def test_a_background_job_that_fails_is_logged_once_where_no_handler_awaits_it(awaited, caplog):
+    from edgespec.server.http import Settings
+    from edgespec.server.service import Service
+
+    svc = Service(Settings(), lambda: None)
+
+    async def fail() -> None:
+        job = asyncio.get_running_loop().create_future()
+        svc._background(threading.Event(), job, awaited=awaited)
+        job.set_exception(RuntimeError("decode failed"))
+        await asyncio.sleep(0)  # the done callbacks run
+        if awaited:  # its handler reads the error and answers with it
+            with pytest.raises(RuntimeError):
+                job.result()
+
+    asyncio.run(fail())
+    logged = [r for r in caplog.records if "background evaluation failed: decode failed" in r.getMessage()]
+    assert len(logged) == (0 if awaited else 1) and not svc.background

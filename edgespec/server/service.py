@@ -188,12 +188,13 @@ class Service:
             if evaluated(now) and prompts is not None and not _quiet_for(delay, cancel):
                 evaluated(prompts)
 
-        self._background(cancel, self.submit(work))
+        self._background(cancel, self.submit(work), awaited=False)
 
     def background_batch(self, left: int) -> int:
         """Tokens for the next batch of an aside build, `left` to evaluate: sized to end within this pause."""
         elapsed = 0.0 if self.idle_since is None else time.perf_counter() - self.idle_since
-        return costs.pause_batch(elapsed, tuple(self.pauses), self.engine().prompt_rate.seconds, left, BACKGROUND_BATCH)
+        assert self.loaded is not None  # not engine(): a build runs on while a draining server cancels it
+        return costs.pause_batch(elapsed, tuple(self.pauses), self.loaded.prompt_rate.seconds, left, BACKGROUND_BATCH)
 
     def build_aside(self, build: Callable[[threading.Event], bool] | None, cancel: threading.Event) -> bool:
         """Run an aside build until done or `cancel` (counted in /metrics); whether it is done."""
@@ -205,9 +206,16 @@ class Service:
             self.aside_build = None
         return done
 
-    def _background(self, cancel: threading.Event, job: asyncio.Future) -> None:
+    def _background(self, cancel: threading.Event, job: asyncio.Future, awaited: bool = True) -> None:
+        """Track `job` until it ends; one no handler awaits (not `awaited`) has its error logged here."""
         self.background[cancel] = job
-        job.add_done_callback(lambda _: self.background.pop(cancel, None))
+
+        def ended(done: asyncio.Future) -> None:
+            self.background.pop(cancel, None)
+            if not awaited and not done.cancelled() and (e := done.exception()) is not None:
+                log.error("background evaluation failed: %s", e, exc_info=e)
+
+        job.add_done_callback(ended)
 
     async def run(self, request: Request, prompt: list[int], req: schemas.Request, cancel: threading.Event,
                   aside_first: bool = False) -> list[Chunk]:

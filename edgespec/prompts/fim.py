@@ -32,10 +32,11 @@ FIT_STEPS = 256  # resolution of the search over how many lines to keep: a step 
 # Lines before the cursor a budget never leaves out (and the suffix's lines in proportion). While the user types,
 # they slide with the cursor and cost only the line just written (the rest is cached, moved); a cold cache pays once.
 NEAR_LINES = 8
-# Suffix lines a budgeted prompt takes, more only where SUFFIX_SHARE buys them: past the cursor nothing moved is reused
-# (cursor_anchor), so the suffix is evaluated again on every keystroke.
+# Suffix lines a budgeted prompt takes (the cursor line's rest and the next two), more only where SUFFIX_SHARE buys
+# them: past the cursor nothing moved is reused (cursor_anchor), so the suffix is evaluated again wherever it moves, on
+# every keystroke in the prefix layout, once a line in the middle layout. Two lines complete better than one.
 # Blank lines after the cursor line's rest are not counted: a token each, and the line after them says what comes.
-SUFFIX_LINES = 2
+SUFFIX_LINES = 3
 # Of what a budget has left past them, the share that buys further suffix lines. Fresh suffix lines complete better
 # (docs/bench/editor.md), but every keystroke pays for them: on a 2-core CPU this buys less than a line, where a
 # batch is nearly free (a GPU) it buys the editor's whole suffix window.

@@ -411,11 +411,14 @@ class Fitted:
 
 
 def _share(infill: Infill, step: int, extra: int | None, suffix_cap: int | None = SUFFIX_LINES) -> Take:
-    """`step`/FIT_STEPS of each side's lines, nearest first (of the suffix's, `suffix_cap` at most, blank lines after
-    the cursor line's rest not counted), and the `extra` latest chunks."""
+    """`step`/FIT_STEPS of each side's lines, nearest first (of the suffix's, SUFFIX_LINES at least and `suffix_cap` at
+    most, blank lines after the cursor line's rest not counted), and the `extra` latest chunks."""
     n_pre = math.ceil(step * len(infill.prefix.splitlines()) / FIT_STEPS)
     through = _counted_lines(infill.suffix)
     n_suf = math.ceil(step * len(through) / FIT_STEPS)
+    # the nearest suffix lines at every width: with fewer of them, a narrow prompt would cost less than a wide one the
+    # cache holds, and fit would drop the cached lines to save the suffix's
+    n_suf = max(n_suf, min(SUFFIX_LINES, len(through))) if step else 0
     n_suf = n_suf if suffix_cap is None else min(n_suf, suffix_cap)
     return Take(n_pre, through[n_suf - 1] if n_suf else 0, extra)
 

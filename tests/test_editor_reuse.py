@@ -361,28 +361,6 @@ def test_a_warm_request_lines_further_down_keeps_the_slots_start_in_place(qwen_d
         assert again.new_tokens <= again.budget_tokens
 
 
-def test_a_line_start_over_the_budget_stays_in_place_within_the_nearest_lines_allowance(qwen_draft_path):
-    """A line start pays for the line just finished and the suffix's lines: where that is over the budget but within
-    what the nearest lines may cost (NEAR_BUDGETS), and a move would buy fewer than MOVE_MIN_GAIN tokens, the prompt
-    still starts where the slot's cached lines do, instead of falling back to the nearest lines alone."""
-    prices = ((1, 64), (0.05, 0.4))
-    # 20 suffix lines: the nearest prefix lines alone take fewer of them (fim._share) than the wider cached prompt
-    here = Infill("".join(LINES[:101]), "\n" + "".join(LINES[102:122]), "    ")
-    down = Infill("".join(LINES[:103]), "\n" + "".join(LINES[104:124]), "    ")
-    with Engine(EngineConfig(str(qwen_draft_path), proposer="none", load=LoadConfig(n_ctx=4096))) as eng:
-        eng.prompt_rate = PromptRate(*prices)
-        first = eng.infill_prompt(here, 16, 2.0, cache_reuse=16)  # a context the pauses widened
-        eng.generate(first.tokens, GenerationConfig(max_tokens=1, cache_reuse=16, memory=None, slot=first.slot))
-        eng.prompt_rate = PromptRate(*prices)
-        eng.prompt_rate.shift = 10.0  # no move pays
-        ample = eng.infill_prompt(down, 16, 0.5, cache_reuse=16)
-        tight = 0.6 * eng.prompt_rate.seconds(ample.new_tokens)  # buys fewer tokens than the line start's; twice it does
-        again = eng.infill_prompt(down, 16, tight, cache_reuse=16)
-        assert again.budget_tokens < again.new_tokens <= eng.prompt_rate.tokens_within(2 * tight)
-        held = first.tokens.index(eng.target.vocab.fim_pre) + 1 + first.kept.prefix_tokens[0]
-        assert again.tokens[:held] == first.tokens[:held] and again.tokens == ample.tokens, (first.kept, again.kept)
-
-
 def body_line(y: int) -> dict:
     """A budgeted completion typed at SOURCE's line `y` (a body line), after its indent."""
     return {"input_prefix": "".join(LINES[:y]), "input_suffix": "\n" + "".join(LINES[y + 1:y + 20]),

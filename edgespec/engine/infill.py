@@ -105,9 +105,7 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
                                lambda t: room + 1 if (k := kept_of(target, t)).moved else k.new,
                                starts=_starts(infill, cached_lines(target.cache.tokens, m.vocab, m.token_bytes)))
             k = kept_of(target, in_place.tokens)
-            # over the budget too, as far as the nearest lines may cost: a line start pays for its suffix lines, and
-            # the fallback would take the nearest lines alone, fewer suffix lines with them, all the cached ones lost
-            fitted = in_place if k.moved == 0 and k.new <= max(budget, near) else None
+            fitted = in_place if k.moved == 0 and k.new <= budget else None
         budget = budget if fitted else moving
     fitted = fitted or fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t), near_most=near)
     new = new_tokens(target, fitted.tokens)

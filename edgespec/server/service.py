@@ -209,13 +209,9 @@ class Service:
     def _background(self, cancel: threading.Event, job: asyncio.Future, awaited: bool = True) -> None:
         """Track `job` until it ends; one no handler awaits (not `awaited`) has its error logged here."""
         self.background[cancel] = job
-
-        def ended(done: asyncio.Future) -> None:
-            self.background.pop(cancel, None)
-            if not awaited and not done.cancelled() and (e := done.exception()) is not None:
-                log.error("background evaluation failed: %s", e, exc_info=e)
-
-        job.add_done_callback(ended)
+        job.add_done_callback(lambda _: self.background.pop(cancel, None))
+        if not awaited:
+            job.add_done_callback(_log_failure)
 
     async def run(self, request: Request, prompt: list[int], req: schemas.Request, cancel: threading.Event,
                   aside_first: bool = False) -> list[Chunk]:
@@ -299,6 +295,12 @@ def _quiet_for(seconds: float, cancel: threading.Event) -> bool:
         if cancel.wait(QUIET_TICK_SECONDS):
             return True
     return cancel.is_set()
+
+
+def _log_failure(job: asyncio.Future) -> None:
+    """A background job's error, where no handler awaits the job to answer with it."""
+    if not job.cancelled() and (e := job.exception()) is not None:
+        log.error("background evaluation failed: %s", e, exc_info=e)
 
 
 def _as_background(config: GenerationConfig) -> GenerationConfig:

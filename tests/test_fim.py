@@ -182,7 +182,6 @@ def test_a_line_over_the_budget_keeps_everything_cached_around_it():
     assert f.kept.prefix_tokens[0] >= 190 and f.kept.suffix_tokens[0] >= 60, f.kept
 
 
-
 def test_a_line_start_keeps_the_cached_lines_though_the_nearest_lines_alone_would_take_less_suffix():
     """The cursor moved down a line (middle layout): the line just written and the suffix's nearest lines are new and
     cost more than the budget. The nearest prefix lines alone take the same suffix lines as the 60 the cache holds, so
@@ -200,6 +199,7 @@ def test_a_line_start_keeps_the_cached_lines_though_the_nearest_lines_alone_woul
     f = fim.fit(down, room=10_000, max_new=2, new_tokens=lambda t: reuse.plan(cached, t, 4).new,
                 starts=(61,))
     assert f.kept.prefix_tokens[0] == 61 and f.kept.suffix_tokens[0] == SUFFIX_LINES, f.kept
+
 
 def test_the_typed_text_alone_when_the_nearest_lines_do_not_fit_the_room():
     f = FimPrompt(PLAIN, chars).fit(Infill("a\n" * 5, "b\n" * 5, "x" * 50), room=55, max_new=10)

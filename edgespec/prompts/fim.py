@@ -29,7 +29,7 @@ from edgespec.gguf import Vocab
 CHUNK_SEPARATOR = "\n\n--- snippet ---\n\n"
 LAYOUTS = ("prefix", "middle")
 FIT_STEPS = 256  # resolution of the search over how many lines to keep: a step is one line of a 256-line window
-# Lines before the cursor a budget never leaves out (and the suffix's lines in proportion). While the user types,
+# Lines before the cursor a budget never leaves out (and the suffix's SUFFIX_LINES with them). While the user types,
 # they slide with the cursor and cost only the line just written (the rest is cached, moved); a cold cache pays once.
 NEAR_LINES = 8
 # Suffix lines a budgeted prompt takes (the cursor line's rest and the next two), more only where SUFFIX_SHARE buys

@@ -1,6 +1,8 @@
 """FIM prompts on a literal vocabulary (characters as tokens): llama.cpp's layout and sizes, the typed text in the
 middle, and fitting whole lines to a budget of new tokens."""
 
+from typing import Callable
+
 import pytest
 
 from edgespec.decoding import reuse
@@ -17,6 +19,12 @@ PLAIN = Vocab(**{**QWEN_LIKE.__dict__, "fim_rep": None, "fim_sep": None})
 
 def chars(text: str) -> list[int]:
     return [ord(c) for c in text]
+
+
+def per_line() -> Callable[[str], list[int]]:
+    """A tokenizer of whole lines (a token per distinct line), so that only whole lines can match a cache."""
+    ids: dict[str, int] = {}
+    return lambda text: [ids.setdefault(line, len(ids)) for line in text.splitlines(keepends=True)]
 
 
 def test_repo_level_layout_as_llama_cpp():
@@ -168,12 +176,7 @@ def test_long_nearest_lines_are_fewer_within_near_most():
 def test_a_line_over_the_budget_keeps_everything_cached_around_it():
     """The cursor moved down a line: the line just written is new and costs more than the budget, but dropping it
     would drop all the context the cache holds around it (the budget once fell to no context at all here)."""
-    ids: dict[str, int] = {}
-
-    def per_line(text: str) -> list[int]:  # a vocabulary of whole lines, so that only lines can match
-        return [ids.setdefault(line, len(ids)) for line in text.splitlines(keepends=True)]
-
-    fim = FimPrompt(PLAIN, per_line)
+    fim = FimPrompt(PLAIN, per_line())
     lines = [f"line {i:02d}\n" for i in range(300)]
     cached = fim.tokens(Infill("".join(lines[:199]), "".join(lines[200:264])))[0]
     moved = Infill("".join(lines[:200]), "".join(lines[201:265]))
@@ -186,12 +189,7 @@ def test_a_line_start_keeps_the_cached_lines_though_the_nearest_lines_alone_woul
     """The cursor moved down a line (middle layout): the line just written and the suffix's nearest lines are new and
     cost more than the budget. The nearest prefix lines alone take the same suffix lines as the 60 the cache holds, so
     they cost no less, and the prompt keeps the cached lines (they once took fewer, and the cached lines were dropped)."""
-    ids: dict[str, int] = {}
-
-    def per_line(text: str) -> list[int]:  # a vocabulary of whole lines, so that only lines can match
-        return [ids.setdefault(line, len(ids)) for line in text.splitlines(keepends=True)]
-
-    fim = FimPrompt(PLAIN, per_line, "middle")
+    fim = FimPrompt(PLAIN, per_line(), "middle")
     lines = [f"line {i:03d}\n" for i in range(300)]
     here = Infill("".join(lines[:200]), "\n" + "".join(lines[201:221]))
     cached = fim.tokens(here, Take(60, SUFFIX_LINES))[0]

@@ -11,6 +11,9 @@ else.
 
     python scripts/bench_fim_layout.py --out bench-results/fim-layout.json
     python scripts/bench_fim_layout.py --variants prefix healed --half-way --files FILE:LINE:LINES ...
+
+With --ring the prompts also carry extra chunks of other files, as a bench_editor.py session's ring holds them at
+each cursor (--ring-every, --ring-size as there): what the editor's ring is worth at a given width (--prefix-lines).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from bench_editor import DEFAULT_FILES, agreement, cursors, parse_files  # noqa: E402
+from bench_editor import DEFAULT_FILES, agreement, cursors, parse_files, ring_chunks  # noqa: E402
 
 from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig  # noqa: E402
 from edgespec.prompts.fim import LAYOUTS, FimPrompt, Infill, healed  # noqa: E402
@@ -45,25 +48,37 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--half-way", action="store_true", help="only cursors with typed text after the indent")
-    ap.add_argument("--suffix-lines", type=int, default=SUFFIX_LINES)
+    ap.add_argument("--suffix-lines", type=int, default=SUFFIX_LINES, help="lines after the cursor line's rest")
+    ap.add_argument("--prefix-lines", type=int, default=PREFIX_LINES,
+                    help="lines before a file's first cursor where its prefix starts")
+    ap.add_argument("--ring", nargs="*", default=[], help="files whose chunks fill the ring of extra context")
+    ap.add_argument("--ring-size", type=int, default=8)
+    ap.add_argument("--ring-every", type=int, default=4, help="a new ring chunk every N lines")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "fim-layout.json")
     args = ap.parse_args()
 
+    n_ctx = 4096 + (8192 if args.ring else 0)  # a slot's: the prefix and suffix, and the ring's 8 chunks of 32 lines
     config = EngineConfig(args.model, proposer="none", memory=False,
-                          load=LoadConfig(n_ctx=4096, n_threads=args.threads, n_seq=len(args.variants)))
+                          load=LoadConfig(n_ctx=n_ctx, n_threads=args.threads, n_seq=len(args.variants)))
     records: list[dict] = []
+    chunks, ring, lines_done = ring_chunks([ROOT / f for f in args.ring]), [], 0
     with Engine(config) as eng:
         m = eng.target
         prompts = {layout: FimPrompt(m.vocab, lambda t: m.tokenize(t, add_special=False, parse_special=False), layout)
                    for layout in LAYOUTS}
         for path, start, n in parse_files(args.files):
             lines = path.read_text().splitlines()
-            first = max(0, start - PREFIX_LINES)
+            first, last = max(0, start - args.prefix_lines), None
             for c in cursors(path, start, n):
+                if c.line != last:  # the ring as a session's holds it (bench_editor.session)
+                    last, lines_done = c.line, lines_done + 1
+                    if (lines_done - 1) % args.ring_every == 0 and (chunk := next(chunks, None)) is not None:
+                        ring = (ring + [chunk])[-args.ring_size:]
                 if args.half_way and c.blank:
                     continue
                 infill = Infill("".join(s + "\n" for s in lines[first:c.line]),
-                                "\n".join(["", *lines[c.line + 1:c.line + 1 + args.suffix_lines]]) + "\n", c.typed)
+                                "\n".join(["", *lines[c.line + 1:c.line + 1 + args.suffix_lines]]) + "\n", c.typed,
+                                tuple((r["filename"], r["text"]) for r in ring))
                 row = {"where": f"{path.name}:{c.line + 1}:{c.col}", "real": c.real}
                 for slot, variant in enumerate(args.variants):
                     layout, heals = VARIANTS[variant]

@@ -108,6 +108,24 @@ def ring_chunks(paths: list[Path]) -> Iterator[dict[str, Any]]:
             yield {"text": text, "time": [int(time.time()), 0], "filename": str(path.relative_to(ROOT))}
 
 
+class Ring:
+    """The ring of extra context as a session fills it: a chunk of the ring files every `every` lines walked, the
+    oldest dropped past `size` (`held`, oldest first)."""
+
+    def __init__(self, paths: list[Path], size: int, every: int) -> None:
+        self.chunks, self.size, self.every = ring_chunks(paths), size, every
+        self.held: list[dict[str, Any]] = []
+        self.lines = 0
+
+    def walked(self) -> bool:
+        """The cursor reached a new line: whether a chunk joined the ring there."""
+        self.lines += 1
+        if (self.lines - 1) % self.every or (chunk := next(self.chunks, None)) is None:
+            return False
+        self.held = (self.held + [chunk])[-self.size:]
+        return True
+
+
 def vim_fim(c: Cursor, extra: list[dict], speculative: bool) -> dict[str, Any]:
     """llama.vim's llama#fim body: 250 ms to predict on the first request at a place, 1000 on the speculative."""
     return {"id_slot": 0, "input_prefix": c.prefix, "input_suffix": c.suffix, "input_extra": extra,
@@ -292,21 +310,18 @@ def turn(peer: Peer, others: list[Peer], fn: Any) -> Any:
 def session(peers: list[Peer], flavour: str, files: list[tuple[Path, int, int]], ring_files: list[Path],
             ring_size: int, ring_every: int, think: float, greedy: bool = False) -> None:
     fim, warmup = FLAVOURS[flavour]
-    ring: list[dict] = []
-    chunks = ring_chunks(ring_files)
-    lines_done = 0
+    ring = Ring(ring_files, ring_size, ring_every)
     for path, start, n in files:
         last_line = None
         for c in cursors(path, start, n):
             if c.line != last_line:
-                last_line, lines_done = c.line, lines_done + 1
-                if (lines_done - 1) % ring_every == 0 and (chunk := next(chunks, None)) is not None:
-                    ring = (ring + [chunk])[-ring_size:]
+                last_line = c.line
+                if ring.walked():
                     for p in peers:
                         turn(p, [o for o in peers if o is not p], lambda p=p: (time.sleep(think),
-                                                                               p.post_and_forget(warmup(ring))))
+                                                                               p.post_and_forget(warmup(ring.held))))
             for p in peers:
-                turn(p, [o for o in peers if o is not p], lambda p=p: _ask_pair(p, c, ring, fim, think, greedy))
+                turn(p, [o for o in peers if o is not p], lambda p=p: _ask_pair(p, c, ring.held, fim, think, greedy))
             print(f"{flavour} {Path(c.path).name}:{c.line + 1}:{c.col}  " + "  ".join(
                 f"{p.name} {p.records[-1].seconds:5.1f}s" for p in peers), file=sys.stderr)
 

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from bench_editor import DEFAULT_FILES, agreement, cursors, parse_files, ring_chunks  # noqa: E402
+from bench_editor import DEFAULT_FILES, Ring, agreement, cursors, parse_files  # noqa: E402
 
 from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig  # noqa: E402
 from edgespec.prompts.fim import LAYOUTS, FimPrompt, Infill, healed  # noqa: E402
@@ -61,7 +61,7 @@ def main() -> None:
     config = EngineConfig(args.model, proposer="none", memory=False,
                           load=LoadConfig(n_ctx=n_ctx, n_threads=args.threads, n_seq=len(args.variants)))
     records: list[dict] = []
-    chunks, ring, lines_done = ring_chunks([ROOT / f for f in args.ring]), [], 0
+    ring = Ring([ROOT / f for f in args.ring], args.ring_size, args.ring_every)
     with Engine(config) as eng:
         m = eng.target
         prompts = {layout: FimPrompt(m.vocab, lambda t: m.tokenize(t, add_special=False, parse_special=False), layout)
@@ -71,14 +71,13 @@ def main() -> None:
             first, last = max(0, start - args.prefix_lines), None
             for c in cursors(path, start, n):
                 if c.line != last:  # the ring as a session's holds it (bench_editor.session)
-                    last, lines_done = c.line, lines_done + 1
-                    if (lines_done - 1) % args.ring_every == 0 and (chunk := next(chunks, None)) is not None:
-                        ring = (ring + [chunk])[-args.ring_size:]
+                    last = c.line
+                    ring.walked()
                 if args.half_way and c.blank:
                     continue
                 infill = Infill("".join(s + "\n" for s in lines[first:c.line]),
                                 "\n".join(["", *lines[c.line + 1:c.line + 1 + args.suffix_lines]]) + "\n", c.typed,
-                                tuple((r["filename"], r["text"]) for r in ring))
+                                tuple((r["filename"], r["text"]) for r in ring.held))
                 row = {"where": f"{path.name}:{c.line + 1}:{c.col}", "real": c.real}
                 for slot, variant in enumerate(args.variants):
                     layout, heals = VARIANTS[variant]

@@ -55,6 +55,7 @@ from edgespec.paths import MEMORY_ENV  # noqa: E402
 
 N_PREFIX, N_SUFFIX = 256, 64  # both editors' default windows, in lines
 RING_CHUNK_LINES = 32
+RING_SIZE, RING_EVERY = 8, 4  # chunks the ring holds, and lines walked between new ones (--ring-size, --ring-every)
 COLD_FIRST = 3  # a file's first completions, counted apart in the right ones (`right`)
 VIM_FIELDS = ["content", "timings/prompt_n", "timings/prompt_ms", "timings/prompt_per_token_ms",
               "timings/prompt_per_second", "timings/predicted_n", "timings/predicted_ms",
@@ -434,8 +435,8 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
     ap.add_argument("--files", nargs="+", default=list(DEFAULT_FILES), help="PATH:FIRST_LINE:LINES, walked in order")
     ap.add_argument("--ring", nargs="+", default=list(DEFAULT_RING), help="files whose chunks fill the ring")
-    ap.add_argument("--ring-size", type=int, default=8)
-    ap.add_argument("--ring-every", type=int, default=4, help="a new ring chunk (and a warm-up) every N lines")
+    ap.add_argument("--ring-size", type=int, default=RING_SIZE)
+    ap.add_argument("--ring-every", type=int, default=RING_EVERY, help="a new ring chunk (and a warm-up) every N lines")
     ap.add_argument("--flavours", nargs="+", default=list(FLAVOURS), choices=list(FLAVOURS))
     ap.add_argument("--think", type=float, default=1.0, help="seconds the user takes after each answer")
     ap.add_argument("--ctx", type=int, default=8192)

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from bench_editor import DEFAULT_FILES, Ring, agreement, cursors, parse_files  # noqa: E402
+from bench_editor import DEFAULT_FILES, RING_EVERY, RING_SIZE, Ring, agreement, cursors, parse_files  # noqa: E402
 
 from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig  # noqa: E402
 from edgespec.prompts.fim import LAYOUTS, FimPrompt, Infill, healed  # noqa: E402
@@ -52,12 +52,12 @@ def main() -> None:
     ap.add_argument("--prefix-lines", type=int, default=PREFIX_LINES,
                     help="lines before a file's first cursor where its prefix starts")
     ap.add_argument("--ring", nargs="*", default=[], help="files whose chunks fill the ring of extra context")
-    ap.add_argument("--ring-size", type=int, default=8)
-    ap.add_argument("--ring-every", type=int, default=4, help="a new ring chunk every N lines")
+    ap.add_argument("--ring-size", type=int, default=RING_SIZE)
+    ap.add_argument("--ring-every", type=int, default=RING_EVERY, help="a new ring chunk every N lines")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "fim-layout.json")
     args = ap.parse_args()
 
-    n_ctx = 4096 + (8192 if args.ring else 0)  # a slot's: the prefix and suffix, and the ring's 8 chunks of 32 lines
+    n_ctx = 4096 + (8192 if args.ring else 0)  # a slot's: the prefix and suffix, and the ring's chunks
     config = EngineConfig(args.model, proposer="none", memory=False,
                           load=LoadConfig(n_ctx=n_ctx, n_threads=args.threads, n_seq=len(args.variants)))
     records: list[dict] = []

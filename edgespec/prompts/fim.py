@@ -34,7 +34,7 @@ FIT_STEPS = 256  # resolution of the search over how many lines to keep: a step 
 NEAR_LINES = 8
 # Suffix lines a budgeted prompt takes (the cursor line's rest and the next two), more only where SUFFIX_SHARE buys
 # them: past the cursor nothing moved is reused (cursor_anchor), so the suffix is evaluated again wherever it moves, on
-# every keystroke in the prefix layout, once a line in the middle layout. Two lines complete better than one.
+# every keystroke in the prefix layout, once a line in the middle layout. In sessions two completed better than one.
 # Blank lines after the cursor line's rest are not counted: a token each, and the line after them says what comes.
 SUFFIX_LINES = 3
 # Of what a budget has left past them, the share that buys further suffix lines. Fresh suffix lines complete better

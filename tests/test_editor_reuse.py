@@ -16,7 +16,7 @@ from edgespec.backend import Model
 from edgespec.config import LoadConfig as Load
 from edgespec.decoding import reuse
 from edgespec.decoding.costs import PromptRate
-from edgespec.prompts.fim import NEAR_LINES, Infill, accepted
+from edgespec.prompts.fim import CUT_STEP, NEAR_LINES, Infill, accepted
 
 SOURCE = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(80)]  # 80 two-line functions
 LINES = "".join(SOURCE).splitlines(keepends=True)  # SOURCE line by line
@@ -70,6 +70,24 @@ def test_a_cold_request_with_a_budget_cuts_its_context_and_says_so(server):
     # without a budget the same request is cut as llama.cpp cuts it: 3/4 of the batch for the prefix
     out = httpx.post(server.url + "/infill", json={**body, "t_max_prompt_ms": -1}, timeout=300).json()
     assert out["infill"]["budget_tokens"] is None and out["infill"]["prefix_tokens"][0] == 3 * 512 // 4
+
+
+def test_a_long_line_at_the_cursor_is_cut_to_what_is_next_to_it_and_said_so(server):
+    """The cursor half-way through a long line (data, minified code): the typed text and the line's rest alone would
+    take many budgets, so only the typed text's end and the rest's start are evaluated, each cut a whole number of
+    steps (CUT_STEP characters) from the end that stays while the user types; `typed_tokens` and `suffix_tokens`
+    say how much."""
+    numbers = [str(i * 7919 % 10007) for i in range(800)]
+    typed = "TABLE = [" + ", ".join(numbers[:400]) + ","  # no word to heal
+    suffix = " " + ", ".join(numbers[400:]) + "]\n" + "".join(SOURCE[:4])
+    body = {"input_prefix": "".join(SOURCE[:10]), "input_suffix": suffix, "prompt": typed, "n_predict": 4,
+            "temperature": 0, "t_max_prompt_ms": 300}
+    out = httpx.post(server.url + "/infill", json=body, timeout=300).json()
+    (kept, given), (kept_suffix, given_suffix) = out["infill"]["typed_tokens"], out["infill"]["suffix_tokens"]
+    assert given == len(tokens(server, typed)) and 0 < kept < given // 4 and out["truncated"] is True, out
+    assert given_suffix == len(tokens(server, suffix)) and kept_suffix < given_suffix // 4, out
+    assert any(len(tokens(server, typed[j:])) == kept for j in range(CUT_STEP, len(typed), CUT_STEP)), out
+    assert out["timings"]["prompt_n"] < given // 4, out
 
 
 def test_a_sliding_window_evaluates_only_the_new_tokens(server):

@@ -1,6 +1,7 @@
 """FIM prompts on a literal vocabulary (characters as tokens): llama.cpp's layout and sizes, the typed text in the
 middle, and fitting whole lines to a budget of new tokens."""
 
+from dataclasses import replace
 from typing import Callable
 
 import pytest
@@ -8,8 +9,8 @@ import pytest
 from edgespec.decoding import reuse
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
 from edgespec.gguf import Vocab
-from edgespec.prompts.fim import (HEAL_MAX_CHARS, NEAR_LINES, SUFFIX_LINES, SUFFIX_SHARE, TAIL_STEP, FimPrompt, Infill,
-                                  Take, accepted, continuation, cursor_anchor, healed)
+from edgespec.prompts.fim import (HEAL_MAX_CHARS, NEAR_LINES, SUFFIX_LINES, SUFFIX_SHARE, TAIL_STEP, CUT_STEP,
+                                  FimPrompt, Infill, Take, accepted, continuation, cursor_anchor, healed)
 
 PRE, SUF, MID, REP, SEP = 1001, 1002, 1003, 1004, 1005
 QWEN_LIKE = Vocab(n_tokens=2000, type=2, bos=None, eos=1, add_bos=False, fim_pre=PRE, fim_suf=SUF,
@@ -197,6 +198,25 @@ def test_a_line_start_keeps_the_cached_lines_though_the_nearest_lines_alone_woul
     f = fim.fit(down, room=10_000, max_new=2, new_tokens=lambda t: reuse.plan(cached, t, 4).new,
                 starts=(61,))
     assert f.kept.prefix_tokens[0] == 61 and f.kept.suffix_tokens[0] == SUFFIX_LINES, f.kept
+
+
+def test_a_long_line_at_the_cursor_is_cut_in_whole_steps_that_typing_on_keeps_and_the_lines_stay():
+    """The cursor far into a long line (minified code, data, prose), a long line after it: alone, each would cost
+    many budgets, so the typed text keeps its end, cut whole steps of characters from the start that stays while the
+    user types, and the suffix its lines before the long one (else the long line's start); the lines before the
+    cursor still go in."""
+    fim = FimPrompt(PLAIN, chars, "middle")
+    typed, suffix = "".join(chr(97 + i % 26) for i in range(300)), "\n" + "y" * 300 + "\nz\n"
+    infill = Infill("a\nb\n", suffix, typed, (("f.py", "x\n"),))
+    short = replace(infill, typed=typed[:150], suffix="\nc\n")
+    assert fim.cut_long(short, 140) == short  # within twice what the nearest lines may take: whole
+    cut = fim.cut_long(infill, 140)
+    assert cut == replace(infill, typed=typed[4 * CUT_STEP:], suffix="\n")  # the widest within half of it; whole lines
+    assert fim.cut_long(replace(infill, typed=typed + "q"), 140).typed == typed[4 * CUT_STEP:] + "q"
+    rest = suffix[1:]  # the cursor line's own rest is the long line: its start
+    assert fim.cut_long(replace(infill, suffix=rest), 140).suffix == rest[:CUT_STEP]
+    fitted = fim.fit(cut, room=10_000, max_new=30, near_most=200)
+    assert fitted.kept.prefix_tokens == (4, 4) and fitted.tokens[-len(cut.typed):] == chars(cut.typed)
 
 
 def test_the_typed_text_alone_when_the_nearest_lines_do_not_fit_the_room():

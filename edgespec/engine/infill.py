@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 from edgespec.backend import KVSequence, Model
@@ -92,12 +92,13 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
         tokens, kept = fim.llama_cpp_sizes(infill, m.n_batch, m.n_ctx, max_tokens)
         chosen = _slot_for(slots, slot, lambda s: new_tokens(s, tokens))
         return InfillPrompt(tokens, kept, chosen, new_tokens(slots[chosen], tokens), None)
+    near = rate.tokens_within(NEAR_BUDGETS * budget_seconds) or 0
+    asked, infill = infill, fim.cut_long(infill, max(near, 1))  # a long line at the cursor: what is next to it
     widest = fim.fit(infill, room).tokens
     chosen = _slot_for(slots, slot, lambda s: new_tokens(s, widest))
     target = slots[chosen]
     fitted, budget = None, rate.tokens_within(budget_seconds) or 0
     plain = budget  # what the budget buys where nothing moves (as in the aside)
-    near = rate.tokens_within(NEAR_BUDGETS * budget_seconds) or 0
     if kept_of(target, widest).moved:  # moving what the slot holds costs a re-rotation before any token's price
         moving = rate.tokens_within(budget_seconds, True) or 0
         if moving <= MOVE_MIN_GAIN:  # the one start that moves nothing is the slot's own: fit's scan may miss it
@@ -115,7 +116,9 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
     done = fitted.kept.prefix_tokens[0] >= fitted.kept.prefix_tokens[1]
     build = (lambda: None) if aside is None or done else functools.partial(
         _aside_build, fim, infill, fitted.kept.prefix_tokens[0], m.cfg.aside - ASIDE_HEAD, aside_lines)
-    return InfillPrompt(fitted.tokens, fitted.kept, chosen, new, budget,
+    kept = replace(fitted.kept, typed_tokens=(fitted.kept.typed_tokens[0], len(_tokens(m, asked.typed))),
+                   suffix_tokens=(fitted.kept.suffix_tokens[0], len(_tokens(m, asked.suffix))))
+    return InfillPrompt(fitted.tokens, kept, chosen, new, budget,
                         lambda: fim.widening(infill, room, fitted, WIDEN_LINES_STEP), build)
 
 

@@ -9,7 +9,8 @@ suffix after it, so the cache keeps everything but the new characters.
 
 How much context a prompt takes: `llama_cpp_sizes` cuts as llama.cpp's server does for its batch size (3/4 of it
 for the prefix, the rest for the suffix, extra chunks in what is left of the context); `fit` takes whole lines
-nearest the cursor first, as many as a budget of newly evaluated tokens allows.
+nearest the cursor first, as many as a budget of newly evaluated tokens allows, after `cut_long` has cut a long line
+at the cursor.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ SUFFIX_SHARE = 0.1
 # Tokens at a time a line too long for the budget is cut by from its end (FimPrompt._tail): whole steps, so the
 # next request at the cursor finds the same cut cached.
 TAIL_STEP = 16
+# Characters at a time a long line next to the cursor is cut by (FimPrompt.cut_long): whole steps from the typed
+# text's start and the suffix's, which stay while the user types, so the next request finds the same cut cached.
+CUT_STEP = 64
 HELD_LINES = 8  # lines at the start of a cached prompt's lines that locate it in a request's (lines_start)
 ANCHOR_SCAN = 512  # tokens before the cursor searched for the line before it (cursor_anchor); a longer line ends it
 # The longest word healed (the answer spells it again, a token at a time): past it, none is.
@@ -79,14 +83,16 @@ class Kept:
     prefix_tokens: tuple[int, int]
     suffix_tokens: tuple[int, int]
     extra_chunks: tuple[int, int]
+    typed_tokens: tuple[int, int] = (0, 0)  # the cursor line's typed part: cut only where it alone is over a budget
 
     @property
     def cut(self) -> bool:
-        return any(kept < given for kept, given in (self.prefix_tokens, self.suffix_tokens, self.extra_chunks))
+        return any(kept < given for kept, given in (self.prefix_tokens, self.suffix_tokens, self.extra_chunks,
+                                                     self.typed_tokens))
 
     def to_dict(self) -> dict[str, list[int]]:
         return {"prefix_tokens": list(self.prefix_tokens), "suffix_tokens": list(self.suffix_tokens),
-                "extra_chunks": list(self.extra_chunks)}
+                "extra_chunks": list(self.extra_chunks), "typed_tokens": list(self.typed_tokens)}
 
 
 class FimPrompt:
@@ -169,9 +175,10 @@ class FimPrompt:
         return self.tokenize("".join(lines[first:last]))
 
     def kept(self, infill: Infill, pre: list[int], suf: list[int], n_extra: int) -> Kept:
-        """What a prompt with these prefix and suffix tokens kept of `infill`."""
+        """What a prompt with these prefix and suffix tokens (and all the typed text) kept of `infill`."""
+        typed = len(self.tokenize(infill.typed))
         return Kept((len(pre), len(self.tokenize(infill.prefix))), (len(suf), len(self.tokenize(infill.suffix))),
-                    (n_extra, len(infill.extra)))
+                    (n_extra, len(infill.extra)), (typed, typed))
 
     def llama_cpp_sizes(self, infill: Infill, n_batch: int, n_ctx: int, n_predict: int) -> tuple[list[int], Kept]:
         """The prompt llama.cpp's server builds (format_prompt_infill): the prefix's last 3/4 of n_batch tokens, the
@@ -183,7 +190,7 @@ class FimPrompt:
         n_head = min(max(0, n_ctx - n_batch - 2 * n_predict), len(head))
         prompt = self.assemble(head[len(head) - n_head:], pre[len(pre) - n_pre:], typed, suf[:n_suf])
         return prompt, Kept((n_pre, len(pre)), (n_suf, len(suf)),
-                            (len(infill.extra) if n_head == len(head) else 0, len(infill.extra)))
+                            (len(infill.extra) if n_head == len(head) else 0, len(infill.extra)), (len(typed),) * 2)
 
     def fit(self, infill: Infill, room: int, max_new: int | None = None,
             new_tokens: Callable[[list[int]], int] = len, starts: Sequence[int] = (),
@@ -282,6 +289,25 @@ class FimPrompt:
                 if len(prompt) <= room and new_tokens(prompt) <= most:
                     return Fitted(prompt, self.kept(infill, pre, suf, 0), 0, 0)
         return None
+
+    def cut_long(self, infill: Infill, most: int) -> Infill:
+        """`infill` with what a long line puts next to the cursor cut where it alone is over twice `most` tokens
+        (what the nearest lines may take; a line of code is far shorter): the typed text (the cursor far into a long
+        line) to its end, the suffix to fewer of its nearest lines, else to the start of its first. Cut to half of
+        `most` in whole CUT_STEPs of characters, so that typing on finds the same cut cached."""
+        fits = lambda text, n: len(self.tokenize(text)) <= n  # noqa: E731
+        half, most, typed, suffix = max(1, most // 2), 2 * most, infill.typed, infill.suffix
+        if not fits(typed, most):  # from a whole step after its start: the widest that fits, else the shortest
+            starts = range(CUT_STEP, len(typed), CUT_STEP)
+            typed = typed[next((j for j in starts if fits(typed[j:], half)), starts[-1] if starts else 0):]
+        lines, through = suffix.splitlines(keepends=True), _counted_lines(suffix)[:SUFFIX_LINES]
+        held = [n for n in through if fits("".join(lines[:n]), most)]
+        if len(held) < len(through):  # fewer of the nearest lines (every prompt takes them: over the budget, they
+            # would crowd out the lines before the cursor); a first one over it to a whole step from its start
+            ends = range(len(lines[0]) // CUT_STEP * CUT_STEP, 0, -CUT_STEP)
+            start = next((k for k in ends if fits(suffix[:k], half)), 0)
+            suffix = "".join(lines[:held[-1]]) if held else suffix[:start]
+        return replace(infill, typed=typed, suffix=suffix)
 
     def stable(self, infill: Infill, first: int, most: int, held: str = "") -> tuple[list[int], str]:
         """The start of `infill`'s prompts that stays while the cursor moves on down (the head without extra chunks,

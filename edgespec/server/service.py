@@ -111,24 +111,7 @@ class Service:
         return self.loaded
 
     async def body_of(self, request: Request) -> dict[str, Any]:
-        limit = self.settings.max_body_bytes
-        data = bytearray()
-        n = 0
-        async for piece in request.stream():
-            n += len(piece)
-            if n <= limit:
-                data += piece
-            elif n > MAX_DRAIN_BYTES:  # read on so that the client, still sending, gets to read the 413
-                break
-        if n > limit:
-            raise TooLarge(f"request body over {limit} bytes; send less context")
-        try:
-            body = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise errors.InvalidRequestError(f"malformed JSON body ({e})") from e
-        if not isinstance(body, dict):
-            raise errors.InvalidRequestError("the JSON body must be an object")
-        return body
+        return await read_body(request, self.settings.max_body_bytes)
 
     def count(self, last: Chunk) -> None:
         reason = last.finish_reason
@@ -285,6 +268,27 @@ class Service:
                 self.idle_since = time.perf_counter()
 
         return gen()
+
+
+async def read_body(request: Request, limit: int) -> dict[str, Any]:
+    """A request's JSON object, of at most `limit` bytes."""
+    data = bytearray()
+    n = 0
+    async for piece in request.stream():
+        n += len(piece)
+        if n <= limit:
+            data += piece
+        elif n > MAX_DRAIN_BYTES:  # read on so that the client, still sending, gets to read the 413
+            break
+    if n > limit:
+        raise TooLarge(f"request body over {limit} bytes; send less context")
+    try:
+        body = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise errors.InvalidRequestError(f"malformed JSON body ({e})") from e
+    if not isinstance(body, dict):
+        raise errors.InvalidRequestError("the JSON body must be an object")
+    return body
 
 
 def _quiet_for(seconds: float, cancel: threading.Event) -> bool:

@@ -334,6 +334,42 @@ def test_a_request_cancels_background_work_registered_while_it_waited_to_preempt
     assert asyncio.run(scenario())
 
 
+def test_a_warm_up_that_comes_during_a_completion_starts_after_it():
+    # A warm-up whose handler registered its evaluation after the completion had preempted background work would
+    # take every other turn of the engine and hold the answer back for all its chunks (docs/editors.md): it waits
+    # for the requests in flight instead (pure asyncio logic; the real jobs are engine threads).
+    import asyncio
+    import functools
+    import types
+
+    from edgespec.server.service import Service
+
+    async def scenario() -> bool:
+        submitted: list = []
+        svc = types.SimpleNamespace(active=set(), background={}, aside_build=None, idle_since=None,
+                                    engine=lambda: None, count=lambda chunk: None)
+        svc._background = functools.partial(Service._background, svc)
+
+        def submit(job) -> asyncio.Future:
+            submitted.append(job)
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(["chunk"])
+            return done
+
+        svc.submit = submit
+        request = types.SimpleNamespace(is_disconnected=lambda: asyncio.sleep(0, False))
+        warm_up = types.SimpleNamespace(config=GenerationConfig(max_tokens=0), stop=())
+        completion = threading.Event()
+        svc.active.add(completion)
+        task = asyncio.ensure_future(Service.run(svc, request, [1, 2], warm_up, threading.Event()))
+        await asyncio.sleep(0.3)
+        waited = not submitted and not task.done()
+        svc.active.discard(completion)  # the completion is answered
+        return waited and await asyncio.wait_for(task, 5) == ["chunk"] and len(submitted) == 1
+
+    assert asyncio.run(scenario())
+
+
 def test_a_warm_request_takes_what_its_slot_serves_in_place_unless_a_move_buys_enough(qwen_draft_path):
     """Moving the slot's cached prompt re-rotates the whole cache: a request whose budget would buy fewer than
     MOVE_MIN_GAIN new tokens after that keeps the cached prompt as it is; one that buys more widens its context."""

@@ -199,10 +199,16 @@ class Service:
     async def run(self, request: Request, prompt: list[int], req: schemas.Request, cancel: threading.Event,
                   aside_first: bool = False) -> list[Chunk]:
         """Generate without streaming, cancelling if the client disconnects meanwhile. A warm-up (n_predict 0)
-        runs as background work: in small batches, preempted by the next request; with `aside_first` (an editor's
-        warm-up), after the aside build the last /infill answer asked for, if it is not done."""
+        runs as background work: after the requests in flight, in small batches, preempted by the next request;
+        with `aside_first` (an editor's warm-up), after the aside build the last /infill answer asked for, if it is
+        not done."""
         eng = self.engine()
         warm_up = req.config.max_tokens == 0
+        if warm_up:  # after the requests in flight: beside one, sharing the engine, it holds the answer back
+            while self.active - self.background.keys():
+                await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+        else:
+            await self.preempt()  # a warm-up that came in after this request's own preempt, before its job
         self.active.add(cancel)
         try:
             config, build = _as_background(req.config), self.aside_build if aside_first and warm_up else None

@@ -83,7 +83,7 @@ class Kept:
     prefix_tokens: tuple[int, int]
     suffix_tokens: tuple[int, int]
     extra_chunks: tuple[int, int]
-    typed_tokens: tuple[int, int] = (0, 0)  # the cursor line's typed part: cut only where it alone is over a budget
+    typed_tokens: tuple[int, int] = (0, 0)  # the cursor line's typed part: cut only in a long line (cut_long)
 
     @property
     def cut(self) -> bool:

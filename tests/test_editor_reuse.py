@@ -75,8 +75,8 @@ def test_a_cold_request_with_a_budget_cuts_its_context_and_says_so(server):
 def test_a_long_line_at_the_cursor_is_cut_to_what_is_next_to_it_and_said_so(server):
     """The cursor half-way through a long line (data, minified code): the typed text and the line's rest alone would
     take many budgets, so only the typed text's end and the rest's start are evaluated, each cut a whole number of
-    steps (CUT_STEP characters) from the end that stays while the user types; `typed_tokens` and `suffix_tokens`
-    say how much."""
+    steps (CUT_STEP characters) from its start, which stays while the user types; `typed_tokens` and
+    `suffix_tokens` say how much."""
     numbers = [str(i * 7919 % 10007) for i in range(800)]
     typed = "TABLE = [" + ", ".join(numbers[:400]) + ","  # no word to heal
     suffix = " " + ", ".join(numbers[400:]) + "]\n" + "".join(SOURCE[:4])
@@ -335,9 +335,9 @@ def test_a_request_cancels_background_work_registered_while_it_waited_to_preempt
 
 
 def test_a_warm_up_that_comes_during_a_completion_starts_after_it():
-    # A warm-up whose handler registered its evaluation after the completion had preempted background work would
-    # take every other turn of the engine and hold the answer back for all its chunks (docs/editors.md): it waits
-    # for the requests in flight instead (pure asyncio logic; the real jobs are engine threads).
+    # A warm-up whose handler registered its evaluation after the completion had preempted background work shared
+    # the engine with it and held the answer back for all its chunks (docs/editors.md): it waits for the requests in
+    # flight instead (pure asyncio logic; the real jobs are engine threads).
     import asyncio
     import functools
     import types

@@ -9,7 +9,7 @@ import pytest
 from edgespec.decoding import reuse
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
 from edgespec.gguf import Vocab
-from edgespec.prompts.fim import (HEAL_MAX_CHARS, NEAR_LINES, SUFFIX_LINES, SUFFIX_SHARE, TAIL_STEP, CUT_STEP,
+from edgespec.prompts.fim import (CUT_STEP, HEAL_MAX_CHARS, NEAR_LINES, SUFFIX_LINES, SUFFIX_SHARE, TAIL_STEP,
                                   FimPrompt, Infill, Take, accepted, continuation, cursor_anchor, healed)
 
 PRE, SUF, MID, REP, SEP = 1001, 1002, 1003, 1004, 1005

@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--ring-every", type=int, default=RING_EVERY, help="a new ring chunk every N lines")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "fim-layout.json")
     args = ap.parse_args()
+    if args.ring_every < 1 or args.ring_size < 1:
+        ap.error(f"--ring-every {args.ring_every} and --ring-size {args.ring_size} must be at least 1")
 
     n_ctx = 4096 + (8192 if args.ring else 0)  # a slot's: the prefix and suffix, and the ring's chunks
     config = EngineConfig(args.model, proposer="none", memory=False,

@@ -370,6 +370,37 @@ def test_a_warm_up_that_comes_during_a_completion_starts_after_it():
     assert asyncio.run(scenario())
 
 
+def test_a_completion_run_counts_no_pause_of_its_own():
+    # The route that sent it ended the pause since the last answer; n_cmpl's alternatives run one after another, and
+    # had each counted the no time since the one before as a pause, they would crowd the editor's real pauses out of
+    # those that size background batches (pure asyncio logic, as above).
+    import asyncio
+    import collections
+    import functools
+    import types
+
+    from edgespec.server.service import Service
+
+    async def scenario() -> list[float]:
+        svc = types.SimpleNamespace(active=set(), background={}, aside_build=None, idle_since=0.0, loaded=None,
+                                    pauses=collections.deque(), engine=lambda: None, count=lambda chunk: None)
+        svc.preempt = functools.partial(Service.preempt, svc)
+
+        def submit(job) -> asyncio.Future:
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(["chunk"])
+            return done
+
+        svc.submit = submit
+        request = types.SimpleNamespace(is_disconnected=lambda: asyncio.sleep(0, False))
+        completion = types.SimpleNamespace(config=GenerationConfig(max_tokens=4), stop=())
+        for _ in range(2):  # two of n_cmpl's completions
+            await Service.run(svc, request, [1, 2], completion, threading.Event())
+        return list(svc.pauses)
+
+    assert asyncio.run(scenario()) == []
+
+
 def test_a_warm_request_takes_what_its_slot_serves_in_place_unless_a_move_buys_enough(qwen_draft_path):
     """Moving the slot's cached prompt re-rotates the whole cache: a request whose budget would buy fewer than
     MOVE_MIN_GAIN new tokens after that keeps the cached prompt as it is; one that buys more widens its context."""

@@ -208,7 +208,9 @@ class Service:
             while self.active - self.background.keys():
                 await asyncio.sleep(DISCONNECT_POLL_SECONDS)
         else:
-            await self.preempt()  # a warm-up that came in after this request's own preempt, before its job
+            # a warm-up that came after this request's preempt, before its job; not as awaited: the route ended the
+            # pause, and n_cmpl's alternatives, each run here, would count pauses of no time
+            await self.preempt(awaited=False)
         self.active.add(cancel)
         try:
             config, build = _as_background(req.config), self.aside_build if aside_first and warm_up else None

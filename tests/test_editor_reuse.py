@@ -334,46 +334,10 @@ def test_a_request_cancels_background_work_registered_while_it_waited_to_preempt
     assert asyncio.run(scenario())
 
 
-def test_a_warm_up_that_comes_during_a_completion_starts_after_it():
-    # A warm-up whose handler registered its evaluation after the completion had preempted background work shared
-    # the engine with it and held the answer back for all its chunks (docs/editors.md): it waits for the requests in
-    # flight instead (pure asyncio logic; the real jobs are engine threads).
-    import asyncio
-    import functools
-    import types
-
-    from edgespec.server.service import Service
-
-    async def scenario() -> bool:
-        submitted: list = []
-        svc = types.SimpleNamespace(active=set(), background={}, aside_build=None, idle_since=None,
-                                    engine=lambda: None, count=lambda chunk: None)
-        svc._background = functools.partial(Service._background, svc)
-
-        def submit(job) -> asyncio.Future:
-            submitted.append(job)
-            done = asyncio.get_running_loop().create_future()
-            done.set_result(["chunk"])
-            return done
-
-        svc.submit = submit
-        request = types.SimpleNamespace(is_disconnected=lambda: asyncio.sleep(0, False))
-        warm_up = types.SimpleNamespace(config=GenerationConfig(max_tokens=0), stop=())
-        completion = threading.Event()
-        svc.active.add(completion)
-        task = asyncio.ensure_future(Service.run(svc, request, [1, 2], warm_up, threading.Event()))
-        await asyncio.sleep(0.3)
-        waited = not submitted and not task.done()
-        svc.active.discard(completion)  # the completion is answered
-        return waited and await asyncio.wait_for(task, 5) == ["chunk"] and len(submitted) == 1
-
-    assert asyncio.run(scenario())
-
-
-def test_a_completion_run_counts_no_pause_of_its_own():
-    # The route that sent it ended the pause since the last answer; n_cmpl's alternatives run one after another, and
-    # had each counted the no time since the one before as a pause, they would crowd the editor's real pauses out of
-    # those that size background batches (pure asyncio logic, as above).
+def _run_fake():
+    """Service.run's state as a namespace (its methods bound to it), an engine worker that answers every job at once
+    with ["chunk"] (the jobs it got: `submitted`), and a request that stays connected: pure asyncio logic, the real
+    jobs being engine threads."""
     import asyncio
     import collections
     import functools
@@ -381,18 +345,56 @@ def test_a_completion_run_counts_no_pause_of_its_own():
 
     from edgespec.server.service import Service
 
+    svc = types.SimpleNamespace(active=set(), background={}, aside_build=None, idle_since=None, loaded=None,
+                                pauses=collections.deque(), submitted=[], engine=lambda: None, count=lambda c: None)
+    svc._background = functools.partial(Service._background, svc)
+    svc.preempt = functools.partial(Service.preempt, svc)
+
+    def submit(job) -> asyncio.Future:
+        svc.submitted.append(job)
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(["chunk"])
+        return done
+
+    svc.submit = submit
+    return svc, types.SimpleNamespace(is_disconnected=lambda: asyncio.sleep(0, False))
+
+
+def test_a_warm_up_that_comes_during_a_completion_starts_after_it():
+    # A warm-up whose handler registered its evaluation after the completion had preempted background work shared
+    # the engine with it and held the answer back for all its chunks (docs/editors.md): it waits for the requests in
+    # flight instead.
+    import asyncio
+    import types
+
+    from edgespec.server.service import Service
+
+    async def scenario() -> bool:
+        svc, request = _run_fake()
+        warm_up = types.SimpleNamespace(config=GenerationConfig(max_tokens=0), stop=())
+        completion = threading.Event()
+        svc.active.add(completion)
+        task = asyncio.ensure_future(Service.run(svc, request, [1, 2], warm_up, threading.Event()))
+        await asyncio.sleep(0.3)
+        waited = not svc.submitted and not task.done()
+        svc.active.discard(completion)  # the completion is answered
+        return waited and await asyncio.wait_for(task, 5) == ["chunk"] and len(svc.submitted) == 1
+
+    assert asyncio.run(scenario())
+
+
+def test_a_completion_run_counts_no_pause_of_its_own():
+    # The route that sent it ended the pause since the last answer; n_cmpl's alternatives run one after another, and
+    # had each counted the no time since the one before as a pause, they would crowd the editor's real pauses out of
+    # those that size background batches.
+    import asyncio
+    import types
+
+    from edgespec.server.service import Service
+
     async def scenario() -> list[float]:
-        svc = types.SimpleNamespace(active=set(), background={}, aside_build=None, idle_since=0.0, loaded=None,
-                                    pauses=collections.deque(), engine=lambda: None, count=lambda chunk: None)
-        svc.preempt = functools.partial(Service.preempt, svc)
-
-        def submit(job) -> asyncio.Future:
-            done = asyncio.get_running_loop().create_future()
-            done.set_result(["chunk"])
-            return done
-
-        svc.submit = submit
-        request = types.SimpleNamespace(is_disconnected=lambda: asyncio.sleep(0, False))
+        svc, request = _run_fake()
+        svc.idle_since = 0.0  # an answer ended at some time
         completion = types.SimpleNamespace(config=GenerationConfig(max_tokens=4), stop=())
         for _ in range(2):  # two of n_cmpl's completions
             await Service.run(svc, request, [1, 2], completion, threading.Event())

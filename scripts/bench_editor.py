@@ -109,6 +109,12 @@ def ring_chunks(paths: list[Path]) -> Iterator[dict[str, Any]]:
             yield {"text": text, "time": [int(time.time()), 0], "filename": str(path.relative_to(ROOT))}
 
 
+def check_ring(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a ring that never fills (--ring-every, --ring-size below 1) before any model loads."""
+    if args.ring_every < 1 or args.ring_size < 1:
+        ap.error(f"--ring-every {args.ring_every} and --ring-size {args.ring_size} must be at least 1")
+
+
 class Ring:
     """The ring of extra context as a session fills it: a chunk of the ring files every `every` lines walked, the
     oldest dropped past `size` (`held`, oldest first)."""
@@ -448,8 +454,7 @@ def main() -> None:
                     help="one alone for a quick look at its own records (no ratio: runs are fair only side by side)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "editor.json")
     args = ap.parse_args()
-    if args.ring_every < 1 or args.ring_size < 1:
-        ap.error(f"--ring-every {args.ring_every} and --ring-size {args.ring_size} must be at least 1")
+    check_ring(ap, args)
 
     model = fetch(args.model)
     server_bin = tool(SERVER, build=False)

@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from bench_editor import DEFAULT_FILES, RING_EVERY, RING_SIZE, Ring, agreement, cursors, parse_files  # noqa: E402
+from bench_editor import (DEFAULT_FILES, RING_EVERY, RING_SIZE, Ring, agreement, check_ring, cursors,  # noqa: E402
+                          parse_files)
 
 from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig  # noqa: E402
 from edgespec.prompts.fim import LAYOUTS, FimPrompt, Infill, healed  # noqa: E402
@@ -56,8 +57,7 @@ def main() -> None:
     ap.add_argument("--ring-every", type=int, default=RING_EVERY, help="a new ring chunk every N lines")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "fim-layout.json")
     args = ap.parse_args()
-    if args.ring_every < 1 or args.ring_size < 1:
-        ap.error(f"--ring-every {args.ring_every} and --ring-size {args.ring_size} must be at least 1")
+    check_ring(ap, args)
 
     n_ctx = 4096 + (8192 if args.ring else 0)  # a slot's: the prefix and suffix, and the ring's chunks
     config = EngineConfig(args.model, proposer="none", memory=False,

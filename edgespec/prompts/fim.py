@@ -296,12 +296,12 @@ class FimPrompt:
         line) to its end, the suffix to fewer of its nearest lines, else to the start of its first. Cut to half of
         `most` in whole CUT_STEPs of characters, so that typing on finds the same cut cached."""
         fits = lambda text, n: len(self.tokenize(text)) <= n  # noqa: E731
-        half, most, typed, suffix = max(1, most // 2), 2 * most, infill.typed, infill.suffix
-        if not fits(typed, most):  # from a whole step after its start: the widest that fits, else the shortest
+        half, over, typed, suffix = max(1, most // 2), 2 * most, infill.typed, infill.suffix
+        if not fits(typed, over):  # from a whole step after its start: the widest that fits, else the shortest
             starts = range(CUT_STEP, len(typed), CUT_STEP)
             typed = typed[next((j for j in starts if fits(typed[j:], half)), starts[-1] if starts else 0):]
         lines, through = suffix.splitlines(keepends=True), _counted_lines(suffix)[:SUFFIX_LINES]
-        held = [n for n in through if fits("".join(lines[:n]), most)]
+        held = [n for n in through if fits("".join(lines[:n]), over)]
         if len(held) < len(through):  # fewer of the nearest lines (every prompt takes them: over the budget, they
             # would crowd out the lines before the cursor); a first one over it to a whole step from its start
             ends = range(len(lines[0]) // CUT_STEP * CUT_STEP, 0, -CUT_STEP)

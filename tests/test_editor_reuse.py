@@ -403,6 +403,33 @@ def test_a_completion_run_counts_no_pause_of_its_own():
     assert asyncio.run(scenario()) == []
 
 
+def test_a_streamed_completion_stops_a_warm_up_that_came_before_its_job():
+    # As Service.run: a warm-up that registered its evaluation after the route's preempt would take the engine first
+    # and hold the stream back for all its chunks; the stream preempts again as its job starts.
+    import asyncio
+    import types
+
+    from edgespec.server.service import Service
+
+    async def scenario() -> list[bool]:
+        svc, _ = _run_fake()
+        warm_up = threading.Event()
+
+        async def evaluation() -> None:  # gives the engine back once cancelled, as a batch aborted would
+            while not warm_up.is_set():
+                await asyncio.sleep(0.01)
+
+        job = asyncio.ensure_future(evaluation())
+        svc._background(warm_up, job)
+        submit = svc.submit
+        svc.submit = lambda work: (svc.submitted.append(job.done()), submit(work))[1]
+        req = types.SimpleNamespace(config=GenerationConfig(max_tokens=4), stop=())
+        await asyncio.wait_for(Service.stream_chunks(svc, [1, 2], req, threading.Event()), 5)
+        return svc.submitted[:1]
+
+    assert asyncio.run(scenario()) == [True]
+
+
 def test_a_warm_request_takes_what_its_slot_serves_in_place_unless_a_move_buys_enough(qwen_draft_path):
     """Moving the slot's cached prompt re-rotates the whole cache: a request whose budget would buy fewer than
     MOVE_MIN_GAIN new tokens after that keeps the cached prompt as it is; one that buys more widens its context."""

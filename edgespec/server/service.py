@@ -234,11 +234,12 @@ class Service:
         self.count(chunks[-1])
         return chunks
 
-    def stream_chunks(self, prompt: list[int], req: schemas.Request, cancel: threading.Event
-                      ) -> AsyncIterator[Chunk | None]:
+    async def stream_chunks(self, prompt: list[int], req: schemas.Request, cancel: threading.Event
+                            ) -> AsyncIterator[Chunk | None]:
         """Chunks from the worker thread as they come, None after each `keepalive_seconds` without one
-        (a long prefill); closing the iterator (a disconnect) cancels."""
+        (a long prefill); closing the iterator (a disconnect) cancels. Preempts as `run` does, before its job."""
         eng = self.engine()
+        await self.preempt(awaited=False)  # a warm-up that came after the route's preempt would go first
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         done = object()

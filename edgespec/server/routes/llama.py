@@ -165,7 +165,7 @@ class LlamaRoutes:
         finally:
             if not req.stream:
                 self.svc.infills.discard(cancel)
-        chunks = self.svc.stream_chunks(prompt, req, cancel)
+        chunks = await self.svc.stream_chunks(prompt, req, cancel)
 
         async def events() -> AsyncIterator[str]:
             seen: list[Chunk] = []

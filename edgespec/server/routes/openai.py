@@ -73,7 +73,7 @@ class OpenAIRoutes:
         if not req.stream:
             chunks = await self.svc.run(request, prompt, req, cancel)
             return JSONResponse(head.completion(chunks, req))
-        chunks = self.svc.stream_chunks(prompt, req, cancel)
+        chunks = await self.svc.stream_chunks(prompt, req, cancel)
 
         async def events() -> AsyncIterator[str]:
             first, calls, offset = True, _CallBuffer() if with_tools else None, 0

@@ -335,9 +335,9 @@ def test_a_request_cancels_background_work_registered_while_it_waited_to_preempt
 
 
 def _run_fake():
-    """Service.run's state as a namespace (its methods bound to it), an engine worker that answers every job at once
-    with ["chunk"] (the jobs it got: `submitted`), and a request that stays connected: pure asyncio logic, the real
-    jobs being engine threads."""
+    """Service.run's and stream_chunks' state as a namespace (its methods bound to it), an engine worker that
+    answers every job at once with ["chunk"] (the jobs it got: `submitted`), and a request that stays connected:
+    pure asyncio logic, the real jobs being engine threads."""
     import asyncio
     import collections
     import functools

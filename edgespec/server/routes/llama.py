@@ -61,10 +61,10 @@ class LlamaRoutes:
         budget = schemas.prompt_budget(body) if c.max_tokens != 0 else None  # a warm-up evaluates all it is sent
         await self.svc.preempt(awaited=c.max_tokens != 0)
         room = c.max_tokens if c.max_tokens else LLAMA_N_PREDICT  # kept free for the answer
-        layout = self.svc.settings.fim_layout
+        layout = _layout(heals := _heals(body, c), c, self.svc.settings.fim_layout)
         infill, room = schemas.infill(body), min(room, eng.n_ctx // 2)
         follow, lead = self._follow(infill, c) if c.max_tokens else (None, "")
-        held, heal = healed(infill, layout) if (heals := _heals(body, c)) and not follow else (infill, "")
+        held, heal = healed(infill, layout) if heals and not follow else (infill, "")
         ip = follow or eng.infill_prompt(held, room, budget, c.slot, c.cache_reuse, layout,
                                          warm_up=c.max_tokens == 0)
         if c.max_tokens:  # this generation leaves something else in the slot
@@ -217,6 +217,13 @@ def _heals(body: dict[str, Any], c: GenerationConfig) -> bool:
     grammar (both would constrain the first tokens); in either layout, the middle's needing it most."""
     return schemas.flag(body, "token_healing", True) and c.max_tokens != 0 and c.grammar is None \
         and c.json_schema is None
+
+
+def _layout(heals: bool, c: GenerationConfig, default: str) -> str:
+    """An /infill's FIM layout: the server's, but llama.cpp's for a completion whose typed text is not healed. The
+    middle layout unhealed completes far worse than llama.cpp's (docs/bench/editor.md); a warm-up is laid out as the
+    completions after it will be, healed."""
+    return default if heals or not c.max_tokens else "prefix"
 
 
 def _llama_final(text: str, tokens: list[int], last: Chunk, model: str, req: schemas.Request) -> dict[str, Any]:

@@ -302,11 +302,13 @@ class FimPrompt:
             typed = typed[next((j for j in starts if fits(typed[j:], half)), starts[-1] if starts else 0):]
         lines, through = suffix.splitlines(keepends=True), _counted_lines(suffix)[:SUFFIX_LINES]
         held = [n for n in through if fits("".join(lines[:n]), over)]
-        if len(held) < len(through):  # fewer of the nearest lines (every prompt takes them: over the budget, they
-            # would crowd out the lines before the cursor); a first one over it to a whole step from its start
+        # fewer of the nearest lines (every prompt takes them: over the budget, they would crowd out the lines before
+        # the cursor); a first one over it alone to a whole step from its start
+        if held and len(held) < len(through):
+            suffix = "".join(lines[:held[-1]])
+        elif through and not held:
             ends = range(len(lines[0]) // CUT_STEP * CUT_STEP, 0, -CUT_STEP)
-            start = next((k for k in ends if fits(suffix[:k], half)), 0)
-            suffix = "".join(lines[:held[-1]]) if held else suffix[:start]
+            suffix = suffix[:next((k for k in ends if fits(suffix[:k], half)), 0)]
         return replace(infill, typed=typed, suffix=suffix)
 
     def stable(self, infill: Infill, first: int, most: int, held: str = "") -> tuple[list[int], str]:

@@ -16,6 +16,7 @@ from edgespec.backend import Model
 from edgespec.config import LoadConfig as Load
 from edgespec.decoding import reuse
 from edgespec.decoding.costs import PromptRate
+from edgespec.engine.infill import NEAR_BUDGETS
 from edgespec.prompts.fim import CUT_STEP, NEAR_LINES, Infill, accepted
 
 SOURCE = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(80)]  # 80 two-line functions
@@ -473,6 +474,26 @@ def test_a_warm_request_lines_further_down_keeps_the_slots_start_in_place(qwen_d
         assert again.tokens[:held] == first.tokens[:held], (first.kept, again.kept)
         assert again.kept.prefix_tokens[0] > first.kept.prefix_tokens[0]
         assert again.new_tokens <= again.budget_tokens
+
+
+def test_the_nearest_lines_a_cold_request_left_out_are_priced_with_the_move_they_need(qwen_draft_path):
+    """A cold request whose budget bought only some of the nearest lines (NEAR_LINES), then the same line typed on:
+    the rest of them go before what the slot holds, which moves it, a re-rotation of the whole cache. The floor they
+    raise the budget to (NEAR_BUDGETS) counts the re-rotation in, so the answer keeps its time."""
+    prices = ((1, 64), (0.05, 0.4))  # as above: 0.4 s buys 64 new tokens, 1 s 156 where nothing moves
+    here = Infill("".join(LINES[:101]), "\n" + "".join(LINES[102:106]), "    ")
+    typed_on = Infill(here.prefix, here.suffix, "    return x")
+    with Engine(EngineConfig(str(qwen_draft_path), proposer="none", load=LoadConfig(n_ctx=4096))) as eng:
+        eng.prompt_rate = PromptRate(*prices)
+        first = eng.infill_prompt(here, 16, 0.2, cache_reuse=16)
+        near = len(eng.target.tokenize("".join(LINES[101 - NEAR_LINES:101]), add_special=False))
+        assert 0 < first.kept.prefix_tokens[0] < near, first.kept
+        eng.generate(first.tokens, GenerationConfig(max_tokens=1, cache_reuse=16, memory=None, slot=first.slot))
+        eng.prompt_rate = PromptRate(*prices)
+        eng.prompt_rate.shift = 0.9  # of the floor's 1 s, a move leaves 0.1 s: 10 new tokens
+        again = eng.infill_prompt(typed_on, 16, 0.5, cache_reuse=16)
+        assert again.new_tokens <= eng.prompt_rate.tokens_within(NEAR_BUDGETS * 0.5, True), (first.kept, again.kept)
+        assert again.kept.prefix_tokens[0] >= first.kept.prefix_tokens[0]
 
 
 def body_line(y: int) -> dict:

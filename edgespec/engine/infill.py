@@ -39,8 +39,9 @@ ASIDE_FIRST_TOKENS = 192
 # better, and a narrow first build is ready sooner. No build for less than ASIDE_GROWTH_LEAST times as wide.
 ASIDE_GROWTH = 2
 ASIDE_GROWTH_LEAST = 1.5
-# Budgets of evaluation the nearest lines (fim.NEAR_LINES) may take on a cold cache: past it, fewer of them (long
-# lines), so the answer still comes within the second an editor's user is promised past the budgets.
+# Budgets of evaluation the nearest lines (fim.NEAR_LINES) may take on a cold cache, a re-rotation they need counted
+# in: past it, fewer of them (long lines), so the answer still comes within the second an editor's user is promised
+# past the budgets.
 NEAR_BUDGETS = 2.0
 ASIDE_HEAD = 32  # tokens an aside build leaves of LoadConfig.aside for what precedes the lines (FIM and file tokens)
 WIDEN_LINES_STEP = 4  # of fim.FIT_STEPS: a background step adds 1/64 of the lines a side, done within a pause
@@ -98,17 +99,19 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
     chosen = _slot_for(slots, slot, lambda s: new_tokens(s, widest))
     target = slots[chosen]
     fitted, budget = None, rate.tokens_within(budget_seconds) or 0
-    plain = budget  # what the budget buys where nothing moves (as in the aside)
+    plain, starts = budget, ()  # what the budget buys where nothing moves (as in the aside)
     if kept_of(target, widest).moved:  # moving what the slot holds costs a re-rotation before any token's price
         moving = rate.tokens_within(budget_seconds, True) or 0
-        if moving <= MOVE_MIN_GAIN:  # the one start that moves nothing is the slot's own: fit's scan may miss it
+        # the one start that moves nothing is the slot's own: fit's scan may miss it
+        starts = _starts(infill, cached_lines(target.cache.tokens, m.vocab, m.token_bytes))
+        if moving <= MOVE_MIN_GAIN:
             in_place = fim.fit(infill, room, max(budget, 1),
-                               lambda t: room + 1 if (k := kept_of(target, t)).moved else k.new,
-                               starts=_starts(infill, cached_lines(target.cache.tokens, m.vocab, m.token_bytes)))
+                               lambda t: room + 1 if (k := kept_of(target, t)).moved else k.new, starts=starts)
             k = kept_of(target, in_place.tokens)
             fitted = in_place if k.moved == 0 and k.new <= budget else None
         budget = budget if fitted else moving
-    fitted = fitted or fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t), near_most=near)
+        near = near if fitted else rate.tokens_within(NEAR_BUDGETS * budget_seconds, True) or 0  # the same move
+    fitted = fitted or fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t), starts, near)
     new = new_tokens(target, fitted.tokens)
     if aside is not None and aside.tokens and (wide := _from_aside(fim, infill, room, aside, aside_lines, plain,
                                                                    fitted, new)):

@@ -99,7 +99,7 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
     chosen = _slot_for(slots, slot, lambda s: new_tokens(s, widest))
     target = slots[chosen]
     fitted, budget = None, rate.tokens_within(budget_seconds) or 0
-    plain, starts = budget, ()  # what the budget buys where nothing moves (as in the aside)
+    plain, starts = budget, ()  # plain: what the budget buys where nothing moves (as in the aside)
     if kept_of(target, widest).moved:  # moving what the slot holds costs a re-rotation before any token's price
         moving = rate.tokens_within(budget_seconds, True) or 0
         # the one start that moves nothing is the slot's own: fit's scan may miss it

@@ -11,6 +11,7 @@ else.
 
     python scripts/bench_fim_layout.py --out bench-results/fim-layout.json
     python scripts/bench_fim_layout.py --variants prefix healed --half-way --files FILE:LINE:LINES ...
+    python scripts/bench_fim_layout.py --variants prefix middle middle-healed --after-punctuation ...
 
 With --ring the prompts also carry extra chunks of other files, as a bench_editor.py session's ring holds them at
 each cursor (--ring-every, --ring-size as there): what the editor's ring is worth at a given width (--prefix-lines).
@@ -23,14 +24,15 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from bench_editor import (DEFAULT_FILES, RING_EVERY, RING_SIZE, Ring, agreement, check_ring, cursors,  # noqa: E402
-                          parse_files)
+from bench_editor import (DEFAULT_FILES, N_PREFIX, N_SUFFIX, RING_EVERY, RING_SIZE, Cursor, Ring,  # noqa: E402
+                          agreement, check_ring, cursors, parse_files)
 
 from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig  # noqa: E402
 from edgespec.prompts.fim import LAYOUTS, FimPrompt, Infill, healed  # noqa: E402
@@ -49,6 +51,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--half-way", action="store_true", help="only cursors with typed text after the indent")
+    ap.add_argument("--after-punctuation", action="store_true",
+                    help="one cursor per line, right after the punctuation mark nearest half-way through it")
     ap.add_argument("--suffix-lines", type=int, default=SUFFIX_LINES, help="lines after the cursor line's rest")
     ap.add_argument("--prefix-lines", type=int, default=PREFIX_LINES,
                     help="lines before a file's first cursor where its prefix starts")
@@ -71,7 +75,7 @@ def main() -> None:
         for path, start, n in parse_files(args.files):
             lines = path.read_text().splitlines()
             first, last = max(0, start - args.prefix_lines), None
-            for c in cursors(path, start, n):
+            for c in (marked if args.after_punctuation else cursors)(path, start, n):
                 if c.line != last:  # the ring as a session's holds it (bench_editor.session)
                     last = c.line
                     ring.walked()
@@ -107,6 +111,23 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "cpu": os.cpu_count(),
                                     "records": records, "table": lines_out}, indent=1))
+
+
+def marked(path: Path, start: int, n_lines: int) -> Iterator[Cursor]:
+    """A cursor right after the punctuation mark nearest half-way through each line of [start, start + n_lines)
+    that has one with text after it (where a user types `.`, `(` or ` =` and waits for the rest)."""
+    lines = path.read_text().splitlines()
+    for y in range(start, min(start + n_lines, len(lines))):
+        line = lines[y]
+        indent = len(line) - len(line.lstrip())
+        half = indent + (len(line) - indent) // 2
+        marks = [x for x in range(indent + 1, len(line))
+                 if not (line[x - 1].isalnum() or line[x - 1] in "_ \t") and line[x:].strip()]
+        if marks:
+            x = min(marks, key=lambda x: abs(x - half))
+            yield Cursor(str(path), y, x, "".join(s + "\n" for s in lines[max(0, y - N_PREFIX):y]),
+                         "\n".join(["", *lines[y + 1:y + 1 + N_SUFFIX]]) + "\n", line[:x], indent,
+                         "\n".join([line[x:], *lines[y + 1:y + 8]]))
 
 
 if __name__ == "__main__":

@@ -571,8 +571,8 @@ def test_once_the_slot_holds_an_aside_build_the_next_one_is_wider(qwen_draft_pat
 
 
 def test_a_typed_word_is_healed_and_the_answer_spells_it_in_the_models_own_tokens(server):
-    """Typed text that ends inside a word ("os.listd") leaves the word out of the prompt; the answer's first tokens
-    spell it again, as the model tokenizes it, and the answer goes out without it. token_healing false lays the
+    """Typed text that ends inside a word ("os.listd") or after a bracket leaves the word (the bracket) out of the
+    prompt; the answer's first tokens spell it again, as the model tokenizes it, and the answer goes out without it. token_healing false lays the
     typed text out whole, in llama.cpp's layout; anything but a boolean is refused by name."""
     fim = {"input_prefix": "import os\n\n\ndef list_files(root):\n    out = []\n", "input_suffix": "\n    return out\n",
            "prompt": "    for name in os.listd", "n_predict": 6, "temperature": 0, "return_tokens": True}
@@ -583,6 +583,11 @@ def test_a_typed_word_is_healed_and_the_answer_spells_it_in_the_models_own_token
     plain = httpx.post(server.url + "/infill", json={**fim, "token_healing": False}, timeout=300).json()
     spelled = httpx.post(server.url + "/detokenize", json={"tokens": plain["tokens"]}, timeout=60).json()["content"]
     assert plain["infill"]["healed"] == "" and spelled == plain["content"], plain
+    # a bracket too, in the middle layout: the answer spells it again, in the model's own tokens
+    after = {**fim, "prompt": "    for name in os.listdir("}
+    bracket = httpx.post(server.url + "/infill", json=after, timeout=300).json()
+    spelled = httpx.post(server.url + "/detokenize", json={"tokens": bracket["tokens"]}, timeout=60).json()["content"]
+    assert bracket["infill"]["healed"] == "(" and spelled == "(" + bracket["content"], bracket
     # unhealed, the default middle layout completes far worse: such a request takes llama.cpp's
     assert (out["infill"]["layout"], plain["infill"]["layout"]) == ("middle", "prefix")
     bad = httpx.post(server.url + "/infill", json={**fim, "token_healing": "yes"}, timeout=60)

@@ -348,7 +348,8 @@ def test_the_stable_part_keeps_its_first_line_as_the_cursor_moves_down_and_a_fit
 
 def test_healing_leaves_out_the_word_the_typed_text_ends_inside():
     """Token healing gives the model the typed word back (prompts.fim.healed): from its start, whatever precedes it;
-    nothing after a space, a bracket or an empty line, and nothing of a word longer than HEAL_MAX_CHARS."""
+    nothing after a space, a bracket or an empty line in llama.cpp's layout, and nothing of a word longer than
+    HEAL_MAX_CHARS."""
     at = Infill("def f(x):\n", "\n", "    return x.app", (("a.py", "x = 1\n"),))
     assert healed(at) == (Infill(at.prefix, at.suffix, "    return x.", at.extra), "app")
     assert healed(Infill("", "", "retur")) == (Infill("", "", ""), "retur")
@@ -360,7 +361,10 @@ def test_healing_leaves_out_the_word_the_typed_text_ends_inside():
     assert healed(Infill("", "", "for pattern "), "middle") == (Infill("", "", "for pattern"), " ")
     assert healed(Infill("", "", "x =\t "), "middle") == (Infill("", "", "x ="), "\t ")
     assert healed(Infill("", "", "    return x.app"), "middle") == healed(Infill("", "", "    return x.app"))
-    assert healed(Infill("", "", "f("), "middle") == (Infill("", "", "f("), "")
+    # and the punctuation it ends with, with the blanks before it (" !=" is one token, " !" then "=" are not)
+    assert healed(Infill("", "", "f("), "middle") == (Infill("", "", "f"), "(")
+    assert healed(Infill("", "", "    if status !"), "middle") == (Infill("", "", "    if status"), " !")
+    assert healed(Infill("", "", '    print("a",'), "middle") == (Infill("", "", '    print("a'), '",')
 
 
 def test_a_healed_answer_serves_the_editors_next_request_with_the_models_own_tokens():

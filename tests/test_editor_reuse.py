@@ -79,15 +79,17 @@ def test_a_long_line_at_the_cursor_is_cut_to_what_is_next_to_it_and_said_so(serv
     steps (CUT_STEP characters) from its start, which stays while the user types; `typed_tokens` and
     `suffix_tokens` say how much."""
     numbers = [str(i * 7919 % 10007) for i in range(800)]
-    typed = "TABLE = [" + ", ".join(numbers[:400]) + ","  # no word to heal
+    typed = "TABLE = [" + ", ".join(numbers[:400]) + ","  # the comma is healed: the answer spells it
     suffix = " " + ", ".join(numbers[400:]) + "]\n" + "".join(SOURCE[:4])
     body = {"input_prefix": "".join(SOURCE[:10]), "input_suffix": suffix, "prompt": typed, "n_predict": 4,
             "temperature": 0, "t_max_prompt_ms": 300}
     out = httpx.post(server.url + "/infill", json=body, timeout=300).json()
     (kept, given), (kept_suffix, given_suffix) = out["infill"]["typed_tokens"], out["infill"]["suffix_tokens"]
-    assert given == len(tokens(server, typed)) and 0 < kept < given // 4 and out["truncated"] is True, out
+    assert out["infill"]["healed"] == ",", out
+    held = typed[:-1]
+    assert given == len(tokens(server, held)) and 0 < kept < given // 4 and out["truncated"] is True, out
     assert given_suffix == len(tokens(server, suffix)) and kept_suffix < given_suffix // 4, out
-    assert any(len(tokens(server, typed[j:])) == kept for j in range(CUT_STEP, len(typed), CUT_STEP)), out
+    assert any(len(tokens(server, held[j:])) == kept for j in range(CUT_STEP, len(held), CUT_STEP)), out
     assert out["timings"]["prompt_n"] < given // 4, out
 
 

@@ -361,7 +361,7 @@ def test_healing_leaves_out_the_word_the_typed_text_ends_inside():
     assert healed(Infill("", "", "for pattern "), "middle") == (Infill("", "", "for pattern"), " ")
     assert healed(Infill("", "", "x =\t "), "middle") == (Infill("", "", "x ="), "\t ")
     assert healed(Infill("", "", "    return x.app"), "middle") == healed(Infill("", "", "    return x.app"))
-    # and the punctuation it ends with, with the blanks before it (" !=" is one token, " !" then "=" are not)
+    # and the punctuation it ends with, with the blanks before it: the model writes " !=" as one token, not " !", "="
     assert healed(Infill("", "", "f("), "middle") == (Infill("", "", "f"), "(")
     assert healed(Infill("", "", "    if status !"), "middle") == (Infill("", "", "    if status"), " !")
     assert healed(Infill("", "", '    print("a",'), "middle") == (Infill("", "", '    print("a'), '",')

@@ -95,9 +95,15 @@ def cursors(path: Path, start: int, n_lines: int) -> Iterator[Cursor]:
         if not line.strip():
             continue
         for x in sorted({indent, indent + (len(line) - indent) // 2}):
-            yield Cursor(str(path), y, x, "".join(s + "\n" for s in lines[max(0, y - N_PREFIX):y]),
-                         "\n".join(["", *lines[y + 1:y + 1 + N_SUFFIX]]) + "\n", line[:x], indent,
-                         "\n".join([line[x:], *lines[y + 1:y + 8]]), not line[:x].strip())
+            yield cursor_at(path, lines, y, x)
+
+
+def cursor_at(path: Path, lines: list[str], y: int, x: int) -> Cursor:
+    """The cursor at column `x` of line `y` of `lines` (the file at `path`), with the editors' windows around it."""
+    line = lines[y]
+    return Cursor(str(path), y, x, "".join(s + "\n" for s in lines[max(0, y - N_PREFIX):y]),
+                  "\n".join(["", *lines[y + 1:y + 1 + N_SUFFIX]]) + "\n", line[:x], len(line) - len(line.lstrip()),
+                  "\n".join([line[x:], *lines[y + 1:y + 8]]), not line[:x].strip())
 
 
 def ring_chunks(paths: list[Path]) -> Iterator[dict[str, Any]]:

@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from bench_editor import (DEFAULT_FILES, N_PREFIX, N_SUFFIX, RING_EVERY, RING_SIZE, Cursor, Ring,  # noqa: E402
-                          agreement, check_ring, cursors, parse_files)
+from bench_editor import (DEFAULT_FILES, RING_EVERY, RING_SIZE, Cursor, Ring, agreement, check_ring,  # noqa: E402
+                          cursor_at, cursors, parse_files)
 
 from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig  # noqa: E402
 from edgespec.prompts.fim import LAYOUTS, FimPrompt, Infill, healed  # noqa: E402
@@ -124,10 +124,7 @@ def marked(path: Path, start: int, n_lines: int) -> Iterator[Cursor]:
         marks = [x for x in range(indent + 1, len(line))
                  if not (line[x - 1].isalnum() or line[x - 1] in "_ \t") and line[x:].strip()]
         if marks:
-            x = min(marks, key=lambda x: abs(x - half))
-            yield Cursor(str(path), y, x, "".join(s + "\n" for s in lines[max(0, y - N_PREFIX):y]),
-                         "\n".join(["", *lines[y + 1:y + 1 + N_SUFFIX]]) + "\n", line[:x], indent,
-                         "\n".join([line[x:], *lines[y + 1:y + 8]]))
+            yield cursor_at(path, lines, y, min(marks, key=lambda x: abs(x - half)))
 
 
 if __name__ == "__main__":

@@ -109,8 +109,8 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
                                lambda t: room + 1 if (k := kept_of(target, t)).moved else k.new, starts=starts)
             k = kept_of(target, in_place.tokens)
             fitted = in_place if k.moved == 0 and k.new <= budget else None
-        budget = budget if fitted else moving
-        near = near if fitted else rate.tokens_within(NEAR_BUDGETS * budget_seconds, True) or 0  # the same move
+        if not fitted:  # the move's price comes first, for the nearest lines too
+            budget, near = moving, rate.tokens_within(NEAR_BUDGETS * budget_seconds, True) or 0
     fitted = fitted or fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t), starts, near)
     new = new_tokens(target, fitted.tokens)
     if aside is not None and aside.tokens and (wide := _from_aside(fim, infill, room, aside, aside_lines, plain,

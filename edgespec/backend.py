@@ -94,10 +94,8 @@ class RemoteLayers:
     def apply(self, mparams: llama_cpp.llama_model_params) -> tuple:
         devices = (ctypes.c_void_p * (len(self.devices) + 1))(*self.devices, None)
         split = (ctypes.c_float * llama_cpp.llama_max_devices())(*map(float, self.layers))
-        mparams.devices = ctypes.cast(devices, ctypes.c_void_p).value
-        mparams.tensor_split = split
-        mparams.split_mode = llama_cpp.LLAMA_SPLIT_MODE_LAYER
-        mparams.n_gpu_layers = sum(self.layers)
+        mparams.devices, mparams.tensor_split = ctypes.cast(devices, ctypes.c_void_p).value, split
+        mparams.split_mode, mparams.n_gpu_layers = llama_cpp.LLAMA_SPLIT_MODE_LAYER, sum(self.layers)
         mparams.use_extra_bufts = False  # the workers do not repack either: the same kernels on both sides
         return devices, split
 
@@ -126,20 +124,16 @@ def _context_params(cfg: LoadConfig, parks: int, aside: int) -> llama_cpp.llama_
     # changing which sequences its cells belong to, with no copy.
     cparams.n_seq_max = cfg.n_seq + parks + (1 if aside else 0)
     cparams.n_batch = cparams.n_ubatch = max(cfg.n_batch, cparams.n_seq_max)  # else llama.cpp aborts (n_outputs_max)
-    cparams.kv_unified = True
+    cparams.kv_unified = cparams.no_perf = True
     cparams.n_threads = cparams.n_threads_batch = cfg.n_threads
-    cparams.no_perf = True
     cparams.flash_attn_type = _FLASH_ATTN[cfg.flash_attn]
     return cparams
 
 
 class Model(FirstSequence):
-    """A loaded GGUF and its one-sequence KV cache.
-
-    `facts_only` maps the weights and makes no context (what tokenizing and grammars need, for a target that runs
-    in another process); `remote` places the last layers on ggml devices (RPC workers: devices.rpc_devices), the
-    first ones staying on this machine's CPU.
-    """
+    """A loaded GGUF and its one-sequence KV cache. `facts_only` maps the weights and makes no context (what tokenizing
+    and grammars need, for a target that runs in another process); `remote` places the last layers on ggml devices
+    (RPC workers: devices.rpc_devices), the first ones staying on this machine's CPU."""
 
     aside: KVSequence | None = None  # LoadConfig.aside's sequence (engine.slots.SlotPool); none without parks
 
@@ -543,10 +537,6 @@ class Grammar:
             reason = next((line for line in said() if "error parsing grammar" in line), _first_error())
             raise InvalidRequestError(f"{what} does not parse as GBNF ({reason.split(': ', 1)[-1]}); fix it by "
                                       f"llama.cpp's grammar rules (grammars/README.md), with a rule named {root!r}")
-
-    @classmethod
-    def from_json_schema(cls, model: Model, schema: dict, what: str = "json_schema") -> Grammar:
-        return cls(model, json_schema_gbnf(schema, what), what=what)
 
     def allowed(self, ids: np.ndarray) -> np.ndarray:
         """Which of `ids` the grammar admits next (a bool per id)."""

@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from edgespec.backend import Grammar, Model, open_facts
+from edgespec.backend import Grammar, Model, json_schema_gbnf, open_facts
 from edgespec.config import DEFAULT_FIM_LAYOUT, DEFAULT_MODEL, EngineConfig, GenerationConfig, LoadConfig
 from edgespec.decoding.costs import CostTracker, PromptRate, calibrate
 from edgespec.decoding.loop import Stats, planned
@@ -298,7 +298,7 @@ def grammar_of(target: Model, config: GenerationConfig) -> Grammar | Start | Non
     if config.heal:
         return Start(config.heal.encode(), pieces_of(target))
     if config.json_schema is not None:
-        return Grammar.from_json_schema(target, config.json_schema)
+        return Grammar(target, json_schema_gbnf(config.json_schema, "json_schema"), what="json_schema")
     if config.grammar is not None:
         return Grammar(target, config.grammar, trigger=config.grammar_trigger)
     return None

@@ -473,6 +473,16 @@ class KVSequence(KeptRow):
             llama_cpp.llama_memory_seq_add(self.model._mem, park, source, source + length, to - source)
             self.model._shifted = True
 
+    def join_front(self, front: KVSequence, head: int) -> None:
+        """Put what `front` holds after its first `head` tokens (as this one's) before what this one holds after them,
+        which moves on (chunk reuse's approximation: computed without what now precedes it); `front` is emptied."""
+        n, mem = front.n_past - head, self.model._mem
+        llama_cpp.llama_memory_seq_add(mem, self.seq_id, head, -1, n)
+        llama_cpp.llama_memory_seq_cp(mem, front.seq_id, self.seq_id, head, head + n)
+        self.tokens[head:head], self.model._shifted = front.tokens[head:], True
+        front.trim(0)
+        self._dropped(head)
+
     def trim(self, n_keep: int) -> int:
         """Keep the first `n_keep` cached tokens, drop the rest; returns how many were dropped."""
         n_keep = max(0, min(n_keep, self.n_past))

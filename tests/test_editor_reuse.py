@@ -547,29 +547,54 @@ def test_an_editors_warm_up_finishes_the_aside_build_before_its_own_chunks(serve
     assert out["timings"]["prompt_n"] > 0, out["timings"]
 
 
-def test_once_the_slot_holds_an_aside_build_the_next_one_is_wider(qwen_draft_path):
+@pytest.mark.parametrize("shifts, reuse", [(True, 16), (False, 16), (True, 0)])
+def test_once_the_slot_holds_an_aside_build_the_lines_before_it_go_in_front(qwen_draft_path, shifts, reuse):
     """A first aside build is narrow, so it is ready within a few of an editor's pauses; once the slot has taken it,
-    the next answer asks for one about ASIDE_GROWTH times as wide (within the aside's cells), built afresh: wider
-    contexts complete better (docs/bench/editor.md)."""
-    from edgespec.engine.infill import ASIDE_FIRST_TOKENS, ASIDE_GROWTH, ASIDE_GROWTH_LEAST, ASIDE_HEAD
+    the next answer asks the aside for the lines just before the slot's own (ASIDE_FRONT_TOKENS of them). Once built
+    they go in front of the slot's lines, which move on: the slot holds the head, those lines and all it held, at
+    contiguous positions, the aside nothing, and the next line's request keeps them all for its new tokens alone.
+    Where the cache cannot shift, or the request asks for no chunk reuse (moved entries are not what a fresh
+    evaluation gives), the next build is about ASIDE_GROWTH times as wide, afresh."""
+    from edgespec.engine.infill import ASIDE_FIRST_TOKENS, ASIDE_FRONT_TOKENS, ASIDE_GROWTH, ASIDE_GROWTH_LEAST, \
+        ASIDE_HEAD
 
     at = lambda y: Infill("".join(LINES[:y]), "\n" + "".join(LINES[y + 1:y + 5]), "    ")  # noqa: E731
-    turn = lambda ip: GenerationConfig(max_tokens=1, cache_reuse=16, memory=None, slot=ip.slot)  # noqa: E731
+    turn = lambda ip: GenerationConfig(max_tokens=1, cache_reuse=reuse, memory=None, slot=ip.slot)  # noqa: E731
+    pause = lambda left: min(left, 64)  # noqa: E731
     with Engine(EngineConfig(str(qwen_draft_path), proposer="none", load=LoadConfig(n_ctx=4096, aside=1024))) as eng:
         eng.prompt_rate = PromptRate((1, 64), (0.05, 0.4))  # a slow CPU's: 0.5 s buys 74 new tokens
+        eng.target.can_shift = shifts
         prefix = lambda t: len(t) - t.index(eng.target.vocab.fim_pre) - 1  # noqa: E731
-        first = eng.infill_prompt(at(141), 16, 0.5, cache_reuse=16)
+        first = eng.infill_prompt(at(141), 16, 0.5, cache_reuse=reuse)
         eng.generate(first.tokens, turn(first))
-        narrow, held = first.aside()
-        assert first.kept.prefix_tokens[0] < prefix(narrow) <= ASIDE_FIRST_TOKENS
-        assert eng.build_aside(narrow, held, threading.Event(), lambda left: min(left, 64))
-        nxt = eng.infill_prompt(at(143), 16, 0.5, cache_reuse=16)  # two lines on: it starts where the aside does
+        narrow = first.aside()
+        assert narrow.slot is None and first.kept.prefix_tokens[0] < prefix(narrow.tokens) <= ASIDE_FIRST_TOKENS
+        assert eng.build_aside(narrow, threading.Event(), pause)
+        nxt = eng.infill_prompt(at(143), 16, 0.5, cache_reuse=reuse)  # two lines on: it starts where the aside does
         eng.generate(nxt.tokens, turn(nxt))
-        took = nxt.kept.prefix_tokens[0]
-        assert took > prefix(narrow) and eng.slots[nxt.slot].cache.tokens[:len(narrow)] == narrow
-        wide, lines_held = nxt.aside()
-        assert ASIDE_GROWTH_LEAST * took <= prefix(wide) <= min(ASIDE_GROWTH * took, 1024 - ASIDE_HEAD)
-        assert at(143).prefix.endswith(lines_held) and len(lines_held) > len(held)
+        took, slot = nxt.kept.prefix_tokens[0], eng.slots[nxt.slot].cache
+        assert took > prefix(narrow.tokens) and slot.tokens[:len(narrow.tokens)] == narrow.tokens
+        if not (shifts and reuse):
+            wide = nxt.aside()
+            assert wide.slot is None and at(143).prefix.endswith(wide.lines) and len(wide.lines) > len(narrow.lines)
+            assert ASIDE_GROWTH_LEAST * took <= prefix(wide.tokens) <= min(ASIDE_GROWTH * took, 1024 - ASIDE_HEAD)
+            return
+        ahead = nxt.aside()  # the lines right before the slot's
+        text = at(143).prefix
+        assert ahead.slot == nxt.slot and 0 < prefix(ahead.tokens) <= ASIDE_FRONT_TOKENS
+        assert text.index(narrow.lines) == text.index(ahead.lines) + len(ahead.lines)
+        held = list(slot.tokens)
+        assert not eng.pool.join_front(nxt.slot, ahead.head, [t + 1 for t in ahead.follows])  # not what it holds
+        assert eng.build_aside(ahead, threading.Event(), pause)
+        slot = eng.slots[nxt.slot].cache
+        assert slot.tokens == ahead.tokens + held[ahead.head:] and slot.pos_max() == slot.n_past - 1
+        assert not eng.pool.aside.tokens and eng.pool.aside.pos_max() == -1
+
+        last = eng.infill_prompt(at(144), 16, 0.5, cache_reuse=reuse)  # the next line keeps it all
+        assert last.slot == nxt.slot and last.kept.prefix_tokens[0] > took + prefix(ahead.tokens), last.kept
+        assert 0 < last.new_tokens <= last.budget_tokens
+        out = eng.generate(last.tokens, turn(last))
+        assert out.stats.cached_prompt_tokens >= len(ahead.tokens) + took
 
 
 def test_a_typed_word_is_healed_and_the_answer_spells_it_in_the_models_own_tokens(server):

@@ -21,7 +21,7 @@ from edgespec.decoding.policy import DRAFT_P_MIN, Costs, draft_can_pay, draft_ca
 from edgespec.decoding.rules import Rules, Start, pieces_of
 from edgespec.engine import generation
 from edgespec.engine.generation import Chunk, Completion
-from edgespec.engine.infill import InfillPrompt, infill_prompt
+from edgespec.engine.infill import AsideBuild, InfillPrompt, infill_prompt
 from edgespec.engine.slots import Slot, SlotPool
 from edgespec.errors import EdgespecError, InvalidRequestError, UnsupportedModelError
 from edgespec.memory import MemoryBank, model_key, tokenizer_fingerprint
@@ -222,13 +222,16 @@ class Engine:
         return infill_prompt(self.target, self.slots, self.prompt_rate, infill, max_tokens, budget_seconds, slot,
                              cache_reuse, layout, warm_up, self.pool.aside, self.pool.aside_lines)
 
-    def build_aside(self, tokens: Sequence[int], lines: str, cancel: threading.Event,
-                    step: Callable[[int], int]) -> bool:
-        """Evaluate `tokens` into the aside sequence while nobody waits, from what it holds of them, in batches of
-        `step(left)` tokens until `cancel` (engine.slots); `lines` says what they hold (engine.infill). Whether all
-        of them are evaluated."""
-        self.pool.aside_lines = lines
-        return self.pool.build_aside(tokens, cancel.is_set, step)
+    def build_aside(self, build: AsideBuild, cancel: threading.Event, step: Callable[[int], int]) -> bool:
+        """Evaluate `build` into the aside sequence while nobody waits, from what it holds of it, in batches of
+        `step(left)` tokens until `cancel` (engine.slots), then put it in front of its slot's lines where it goes
+        there (engine.infill). Whether all of it is evaluated."""
+        self.pool.aside_lines = build.lines if build.slot is None else ""  # lines a request never starts at alone
+        if not self.pool.build_aside(build.tokens, cancel.is_set, step):
+            return False
+        if build.slot is not None:
+            self.pool.join_front(build.slot, build.head, build.follows)
+        return True
 
     def check_fits(self, prompt: Sequence[int], prompt_name: str = "the prompt") -> None:
         """Raise ContextOverflowError, with the numbers, unless the prompt leaves room for one token; `prompt_name`

@@ -7,15 +7,17 @@ nearest lines (fim.NEAR_LINES): a cold cache gets a narrow context, answered in 
 
 While nobody waits, a wider context is evaluated afresh beside the slot (the aside sequence, engine.slots): the
 lines before the cursor line, which stay as the cursor moves on down, ASIDE_FIRST_TOKENS of them at first, then
-kept from the same line on as the file is walked; once a slot has taken them, ASIDE_GROWTH times as many, afresh
-again, up to the aside's cells. A request prices its prompts against the aside too, and takes it where that is
-wider for its budget: then only its new lines, the typed text and the suffix are evaluated. Without
-an aside (LoadConfig.aside 0, or a model that cannot park chunks) the server widens the context in place after a
-pause, a few lines at a time.
+kept from the same line on as the file is walked. A request prices its prompts against the aside too, and takes it
+where that is wider for its budget: then only its new lines, the typed text and the suffix are evaluated. Once a
+slot holds such lines, the lines before them are evaluated in the aside, ASIDE_FRONT_TOKENS at a time, and put in
+front of the slot's when ready, which then move on (SlotPool.join_front), up to the aside's cells in all; where the
+cache cannot shift, ASIDE_GROWTH times as many lines are built afresh instead. Without an aside (LoadConfig.aside 0,
+or a model that cannot park chunks) the server widens the context in place after a pause, a few lines at a time.
 """
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from dataclasses import dataclass, field, replace
@@ -26,7 +28,7 @@ from edgespec.decoding import reuse
 from edgespec.decoding.costs import PromptRate
 from edgespec.decoding.loop import planned
 from edgespec.engine.slots import Slot
-from edgespec.prompts.fim import Fitted, FimPrompt, Infill, Kept, cached_lines, cursor_anchor, lines_start
+from edgespec.prompts.fim import Fitted, FimPrompt, Infill, Kept, Take, cached_lines, cursor_anchor, lines_start
 
 # New tokens a request's budget must buy after moving what the slot holds (a re-rotation of every cell of the
 # context) for the move to be worth it; where it buys fewer, the request takes what the slot serves in place and the
@@ -35,19 +37,36 @@ MOVE_MIN_GAIN = 64
 # Tokens of prefix lines a first aside build takes: ready after a few of an editor's pauses, yet enough wider than
 # what a budget buys to complete better (docs/bench/editor.md).
 ASIDE_FIRST_TOKENS = 192
-# Once the slot holds a build, the next one is this much wider, up to LoadConfig.aside: wider contexts complete
-# better, and a narrow first build is ready sooner. No build for less than ASIDE_GROWTH_LEAST times as wide.
+# Once the slot holds a build, lines before it this many tokens at a time: each is ready within two or three of an
+# editor's pauses, and costs one re-rotation of the cache when put in front (docs/bench/editor.md).
+ASIDE_FRONT_TOKENS = 192
+# Where the cache cannot shift, the next build is this much wider, afresh; none for less than ASIDE_GROWTH_LEAST
+# times as wide.
 ASIDE_GROWTH = 2
 ASIDE_GROWTH_LEAST = 1.5
 # Budgets of evaluation the nearest lines (fim.NEAR_LINES) may take on a cold cache, a re-rotation they need counted
 # in: past it, fewer of them (long lines), so the answer still comes within the second an editor's user is promised
 # past the budgets.
 NEAR_BUDGETS = 2.0
+FOLLOWS_CHECKED = 32  # tokens of a slot's first lines checked before lines go in front of them (SlotPool.join_front)
 ASIDE_HEAD = 32  # tokens an aside build leaves of LoadConfig.aside for what precedes the lines (FIM and file tokens)
 WIDEN_LINES_STEP = 4  # of fim.FIT_STEPS: a background step adds 1/64 of the lines a side, done within a pause
 # Texts kept tokenized: a fit tokenizes the prefix, the suffix and the typed text once, and mostly the same ones
 # again on an editor's next request (the same line typed further, its speculative request).
 TOKENIZED_TEXTS = 512
+
+
+@dataclass(frozen=True)
+class AsideBuild:
+    """What to evaluate in the aside sequence while nobody waits, and what becomes of it (engine.slots)."""
+
+    tokens: list[int]  # a FIM head, then prefix lines
+    lines: str  # the lines they hold
+    # The slot whose lines they go in front of once built, which must hold the same head and then `follows`; None:
+    # a request takes the aside whole where its prompt does better starting there.
+    slot: int | None = None
+    head: int = 0
+    follows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -59,9 +78,9 @@ class InfillPrompt:
     budget_tokens: int | None  # new tokens the time budget allowed (None: no budget, or no rate known yet)
     # Ever wider prompts out to all the context that fits, when the budget cut it: for the background.
     widening: Callable[[], Iterator[list[int]]] = field(default=lambda: iter(()))
-    # What to build in the aside sequence for the requests that follow (its tokens and the lines they hold), when
-    # that is wider than this prompt; None without a budget or an aside.
-    aside: Callable[[], tuple[list[int], str] | None] = field(default=lambda: None)
+    # What to build in the aside sequence for the requests that follow, where that widens this prompt's context;
+    # None without a budget or an aside.
+    aside: Callable[[], AsideBuild | None] = field(default=lambda: None)
 
 
 def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Infill, max_tokens: int,
@@ -117,24 +136,49 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
                                                                    fitted, new)):
         fitted, new = wide
     done = fitted.kept.prefix_tokens[0] >= fitted.kept.prefix_tokens[1]
+    front = chosen if cache_reuse and m.can_shift and not fitted.extra_chunks else None  # moves asked, and can be
     build = (lambda: None) if aside is None or done else functools.partial(
-        _aside_build, fim, infill, fitted.kept.prefix_tokens[0], m.cfg.aside - ASIDE_HEAD, aside_lines)
+        _aside_build, fim, infill, fitted, m.cfg.aside - ASIDE_HEAD, aside_lines, front)
     kept = replace(fitted.kept, typed_tokens=(fitted.kept.typed_tokens[0], len(_tokens(m, asked.typed))),
                    suffix_tokens=(fitted.kept.suffix_tokens[0], len(_tokens(m, asked.suffix))))
     return InfillPrompt(fitted.tokens, kept, chosen, new, budget,
                         lambda: fim.widening(infill, room, fitted, WIDEN_LINES_STEP), build)
 
 
-def _aside_build(fim: FimPrompt, infill: Infill, held: int, most: int, asked: str) -> tuple[list[int], str] | None:
-    """What the aside should hold next (its tokens and lines, of at most `most` tokens) for a prompt that kept
-    `held` tokens of `infill`'s prefix, the aside last asked to hold the lines `asked`; None where nothing is wider."""
+def _aside_build(fim: FimPrompt, infill: Infill, fitted: Fitted, most: int, asked: str,
+                 front: int | None) -> AsideBuild | None:
+    """What the aside should build next (of at most `most` tokens of lines in all) after the prompt `fitted` for
+    `infill`, the aside last asked to hold the lines `asked`: lines that go in front of slot `front`'s once the slot
+    holds the first build (None: none go in front), else a build afresh. None where nothing is wider."""
     lines_of = lambda t: len(t) - t.index(fim.vocab.fim_pre) - 1  # noqa: E731 - prefix tokens of a build
+    held = fitted.kept.prefix_tokens[0]
     tokens, lines = fim.stable(infill, min(ASIDE_FIRST_TOKENS, most), most, asked)
-    if lines_of(tokens) <= held:  # the slot holds what the aside held: the next width, afresh
-        tokens, lines = fim.stable(infill, min(ASIDE_GROWTH * held, most), most)
-        if lines_of(tokens) < ASIDE_GROWTH_LEAST * held:
-            return None
-    return (tokens, lines) if lines_of(tokens) > held else None
+    if lines_of(tokens) > held:
+        return AsideBuild(tokens, lines)
+    if front is not None:  # the slot holds what the aside held: the lines before its own
+        k = _starts(infill, cached_lines(fitted.tokens, fim.vocab, fim.piece))
+        ahead = _front(fim, infill, k[0], min(ASIDE_FRONT_TOKENS, most - held)) if k and held < most else None
+        return None if ahead is None else AsideBuild(ahead[0], ahead[2], front, len(ahead[0]) - lines_of(ahead[0]),
+                                                     tuple(ahead[1][:FOLLOWS_CHECKED]))
+    tokens, lines = fim.stable(infill, min(ASIDE_GROWTH * held, most), most)  # the next width, afresh
+    grown = lines_of(tokens)
+    return AsideBuild(tokens, lines) if grown > held and grown >= ASIDE_GROWTH_LEAST * held else None
+
+
+def _front(fim: FimPrompt, infill: Infill, held: int, most: int) -> tuple[list[int], list[int], str] | None:
+    """For a cache that holds the `held` nearest lines of `infill`'s prefix after a FIM head: the head, then as many
+    whole lines before those as fit `most` tokens; the tokens of the held lines; the lines put in front. None where
+    not one line fits."""
+    lines = infill.prefix.splitlines(keepends=True)
+    whole, n = Infill(infill.prefix, "", "", ()), len(lines)
+    at = lambda k: fim.tokens(whole, Take(held + k, 0, 0))[0][:-2]  # noqa: E731 - the head and the nearest lines
+    base = at(0)
+    k = bisect.bisect_right(range(n - held + 1), most, key=lambda k: len(at(k)) - len(base)) - 1
+    if k < 1:
+        return None
+    tokens = at(k)
+    cut = len(tokens) - len(base) + base.index(fim.vocab.fim_pre) + 1
+    return tokens[:cut], tokens[cut:], "".join(lines[n - held - k:n - held])
 
 
 def _from_aside(fim: FimPrompt, infill: Infill, room: int, aside: KVSequence, lines: str, budget: int,

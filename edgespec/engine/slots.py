@@ -5,7 +5,8 @@ recently used) and waits for one while all are busy. Generations in different sl
 cycle each, in arrival order (`FairLock`), so a long answer does not hold an editor's completion for its whole length.
 
 Beside the slots, one more sequence (the aside) is built while nobody waits: a context wider than a request could
-afford, evaluated afresh. A slot takes it whole, by exchanging sequences, when a prompt keeps more of it.
+afford, evaluated afresh. A slot takes it whole, by exchanging sequences, when a prompt keeps more of it; or, where
+the aside holds the lines before a slot's own, they are put in front of them (join_front).
 """
 
 from __future__ import annotations
@@ -118,6 +119,22 @@ class SlotPool:
                 n = step(len(tokens) - aside.n_past)
                 if aside.decode(tokens[aside.n_past:aside.n_past + n], 0, stop, n) is None:
                     return False
+            return True
+
+    def join_front(self, index: int, head: int, follows: Sequence[int]) -> bool:
+        """Put the lines the aside holds after its `head` in front of slot `index`'s own, where that slot is free and
+        holds the same head, then `follows`; whether they were. The re-rotation the move asks for runs now, in the
+        pause (a decode of one token, dropped), not in the next request."""
+        aside, slot = self.aside, self.slots[index]
+        assert aside is not None
+        with self._free, self._turn:
+            held = slot.cache.tokens
+            if slot.busy or held[:head] != aside.tokens[:head] or held[head:head + len(follows)] != list(follows):
+                return False
+            first = aside.tokens[:1]
+            slot.cache.join_front(aside, head)
+            aside.decode(first, 0)
+            aside.trim(0)
             return True
 
     def adopt(self, slot: Slot, new_tokens: Callable[[KVSequence], int]) -> None:

@@ -99,7 +99,7 @@ class LlamaRoutes:
             kept = not lead and self._keep(held, heal + answer, ip, chunks, layout)
             # the next requests' wider context: built aside, afresh, first; widened in place only without an aside
             build, widen = ip.aside(), wider if eng.pool.aside is None else None
-            aside = None if build is None else lambda cancel: eng.build_aside(*build, cancel, self.svc.background_batch)
+            aside = None if build is None else lambda cancel: eng.build_aside(build, cancel, self.svc.background_batch)
             self.svc.warm(widen, req.config, WIDEN_DELAY, now=lambda: () if kept or lead else ahead(answer),
                           aside=aside)
 

@@ -8,7 +8,7 @@ Each variant keeps its own slot, reused as a prefix only, so every completion is
 With --moved FIRST:STEP each variant is replayed a second time (its own slot again) with its prefix lines built as a
 context widened by moving would hold them: the nearest FIRST tokens of lines evaluated first, then the lines before
 them put in front, STEP tokens at a time, the cached ones shifted after them (KV computed without the lines now
-before it: what chunk reuse keeps, README "What reuse means"); the rest of the prompt is evaluated as usual.
+before it: what chunk reuse keeps, as the README says of reuse); the rest of the prompt is evaluated as usual.
 
     python scripts/bench_fim_context.py --variants 12:2 12:8 40:2 --out bench-results/fim-context.json
     python scripts/bench_fim_context.py --layout middle --variants 24:16 96:16 --moved 192:96
@@ -45,7 +45,6 @@ def main() -> None:
     ap.add_argument("--moved", metavar="FIRST:STEP", help="also each variant with its prefix built by moving")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "fim-context.json")
     args = ap.parse_args()
-    variants = [tuple(int(n) for n in v.split(":")) for v in args.variants]
     moved = tuple(int(n) for n in args.moved.split(":")) if args.moved else None
     keys = [*args.variants, *(f"{v} moved" for v in args.variants if moved)]
     records = []

@@ -468,7 +468,7 @@ class KVSequence(KeptRow):
         self.tokens.extend(prompt[start:start + length])
 
     def _move(self, park: int, source: int, length: int, to: int) -> None:
-        """Move a parked run from `source` to `to`; the next decode re-rotates its keys, so it must not be aborted."""
+        """Move a run of sequence `park` from `source` to `to`; the next decode, not abortable, re-rotates its keys."""
         if to != source:
             llama_cpp.llama_memory_seq_add(self.model._mem, park, source, source + length, to - source)
             self.model._shifted = True
@@ -476,10 +476,10 @@ class KVSequence(KeptRow):
     def join_front(self, front: KVSequence, head: int) -> None:
         """Put what `front` holds after its first `head` tokens (as this one's) before what this one holds after them,
         which moves on (chunk reuse's approximation: computed without what now precedes it); `front` is emptied."""
-        n, mem = front.n_past - head, self.model._mem
-        llama_cpp.llama_memory_seq_add(mem, self.seq_id, head, -1, n)
-        llama_cpp.llama_memory_seq_cp(mem, front.seq_id, self.seq_id, head, head + n)
-        self.tokens[head:head], self.model._shifted = front.tokens[head:], True
+        n = front.n_past - head
+        self._move(self.seq_id, head, self.n_past - head, head + n)
+        llama_cpp.llama_memory_seq_cp(self.model._mem, front.seq_id, self.seq_id, head, head + n)
+        self.tokens[head:head] = front.tokens[head:]
         front.trim(0)
         self._dropped(head)
 

@@ -28,7 +28,7 @@ from edgespec.decoding import reuse
 from edgespec.decoding.costs import PromptRate
 from edgespec.decoding.loop import planned
 from edgespec.engine.slots import Slot
-from edgespec.prompts.fim import Fitted, FimPrompt, Infill, Kept, Take, cached_lines, cursor_anchor, lines_start
+from edgespec.prompts.fim import Fitted, FimPrompt, Infill, Kept, cached_lines, cursor_anchor, lines_start
 
 # New tokens a request's budget must buy after moving what the slot holds (a re-rotation of every cell of the
 # context) for the move to be worth it; where it buys fewer, the request takes what the slot serves in place and the
@@ -158,7 +158,7 @@ def _aside_build(fim: FimPrompt, infill: Infill, fitted: Fitted, most: int, aske
     if front is not None:  # the slot holds what the aside held: the lines before its own
         k = _starts(infill, cached_lines(fitted.tokens, fim.vocab, fim.piece))
         ahead = _front(fim, infill, k[0], min(ASIDE_FRONT_TOKENS, most - held)) if k and held < most else None
-        return None if ahead is None else AsideBuild(ahead[0], ahead[2], front, len(ahead[0]) - lines_of(ahead[0]),
+        return None if ahead is None else AsideBuild(ahead[0], ahead[2], front, ahead[0].index(fim.vocab.fim_pre) + 1,
                                                      tuple(ahead[1][:FOLLOWS_CHECKED]))
     tokens, lines = fim.stable(infill, min(ASIDE_GROWTH * held, most), most)  # the next width, afresh
     grown = lines_of(tokens)
@@ -170,13 +170,12 @@ def _front(fim: FimPrompt, infill: Infill, held: int, most: int) -> tuple[list[i
     whole lines before those as fit `most` tokens; the tokens of the held lines; the lines put in front. None where
     not one line fits."""
     lines = infill.prefix.splitlines(keepends=True)
-    whole, n = Infill(infill.prefix, "", "", ()), len(lines)
-    at = lambda k: fim.tokens(whole, Take(held + k, 0, 0))[0][:-2]  # noqa: E731 - the head and the nearest lines
-    base = at(0)
-    k = bisect.bisect_right(range(n - held + 1), most, key=lambda k: len(at(k)) - len(base)) - 1
+    n, base = len(lines), fim.head_and_lines(infill, held)
+    k = bisect.bisect_right(range(n - held + 1), most,
+                            key=lambda k: len(fim.head_and_lines(infill, held + k)) - len(base)) - 1
     if k < 1:
         return None
-    tokens = at(k)
+    tokens = fim.head_and_lines(infill, held + k)
     cut = len(tokens) - len(base) + base.index(fim.vocab.fim_pre) + 1
     return tokens[:cut], tokens[cut:], "".join(lines[n - held - k:n - held])
 

@@ -324,7 +324,11 @@ class FimPrompt:
 
         at = lines_start(lines, held)
         k = n - at if at is not None and fits(n - at, most) is not None else _largest(n, lambda k: fits(k, first))[0]
-        return self.tokens(Infill(infill.prefix, "", "", ()), Take(k, 0, 0))[0][:-2], "".join(lines[n - k:])
+        return self.head_and_lines(infill, k), "".join(lines[n - k:])
+
+    def head_and_lines(self, infill: Infill, k: int) -> list[int]:
+        """The head without extra chunks, then the `k` nearest whole lines of `infill`'s prefix."""
+        return self.tokens(Infill(infill.prefix, "", "", ()), Take(k, 0, 0))[0][:-2]
 
     def widening(self, infill: Infill, room: int, fitted: Fitted, lines_step: int) -> Iterator[list[int]]:
         """Prompts ever wider than `fitted`, out to all that fits `room`: `lines_step` more steps of lines at a

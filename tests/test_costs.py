@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from edgespec.decoding.costs import (PAUSE_BATCH_STEP, AcceptanceTracker, CostTracker, PromptRate, contended,
-                                     pause_batch, time_batches)
+                                     pause_batch, pause_holds, time_batches)
 from edgespec.decoding.policy import Costs
 
 # ../shared/FACTS.md: time of a batch of B tokens over a single-token pass, 2-core CPU.
@@ -184,6 +184,14 @@ def test_background_batches_are_sized_to_end_within_the_pauses_seen():
     assert pause_batch(0.0, editor, rate.seconds, 20, 64) == 20  # what is left, though not a multiple of the step
     assert pause_batch(0.95, editor, rate.seconds, 256, 64) == 64  # none fits what is left: as if it will last
     assert all(pause_batch(t / 10, editor, rate.seconds, 300, 64) % PAUSE_BATCH_STEP == 0 for t in range(12))
+
+
+def test_work_nothing_aborts_starts_only_where_the_pause_is_expected_to_hold_it():
+    editor = [0.01, 1.0] * 8  # as above: a follow-up request at once, then a second's pause
+    assert pause_holds(0.05, editor, 0.3)  # a pause's start: every pause that lasted this long lasted a second
+    assert not pause_holds(0.8, editor, 0.3)  # near its end: the request is due before a re-rotation ends
+    assert pause_holds(2.0, editor, 0.3) and pause_holds(0.0, [], 0.3)  # past every pause seen, or none seen yet
+    assert not pause_holds(0.3, [0.5, 0.6, 2.0], 0.3)  # two of the three that lasted this long end first
 
 
 def test_a_timing_is_contended_where_others_take_cores_its_threads_need():

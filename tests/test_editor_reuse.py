@@ -584,8 +584,12 @@ def test_once_the_slot_holds_an_aside_build_the_lines_before_it_go_in_front(qwen
         assert ahead.slot == nxt.slot and 0 < prefix(ahead.tokens) <= ASIDE_FRONT_TOKENS
         assert text.index(narrow.lines) == text.index(ahead.lines) + len(ahead.lines)
         held = list(slot.tokens)
-        assert not eng.pool.join_front(nxt.slot, ahead.head, [t + 1 for t in ahead.follows])  # not what it holds
-        assert eng.build_aside(ahead, threading.Event(), pause)
+        assert eng.pool.join_front(nxt.slot, ahead.head, [t + 1 for t in ahead.follows]) is None  # not what it holds
+        # a pause with no room for the re-rotation, which nothing aborts: built, held, and joined in the next one
+        assert not eng.build_aside(ahead, threading.Event(), pause, lambda seconds: False)
+        assert slot.tokens == held and eng.pool.aside.tokens == ahead.tokens
+        eng.prompt_rate.shift = None  # the join's time teaches what a re-rotation costs
+        assert eng.build_aside(ahead, threading.Event(), pause) and eng.prompt_rate.shift is not None
         slot = eng.slots[nxt.slot].cache
         assert slot.tokens == ahead.tokens + held[ahead.head:] and slot.pos_max() == slot.n_past - 1
         assert not eng.pool.aside.tokens and eng.pool.aside.pos_max() == -1

@@ -181,6 +181,14 @@ def pause_batch(elapsed: float, pauses: Sequence[float], seconds: Callable[[int]
     return max(sizes, key=lambda n: (expected(n), n))
 
 
+def pause_holds(elapsed: float, pauses: Sequence[float], seconds: float) -> bool:
+    """Whether work of `seconds` that cannot be aborted, started `elapsed` seconds into a pause, is expected to end
+    before the next request: most of the `pauses` seen lately that outlast this one so far last that much longer.
+    True where none seen lasted this long (nothing says when the request comes)."""
+    longer = [p for p in pauses if p > elapsed]
+    return 2 * sum(p >= elapsed + PAUSE_MARGIN * seconds for p in longer) >= len(longer)
+
+
 def _interpolate(xs: Sequence[int], ys: Sequence[float], x: int) -> float:
     """ys at x, linear between the calibrated sizes (through the origin below the smallest)."""
     lo_x, lo_y = 0, 0.0

@@ -168,8 +168,7 @@ class Engine:
 
     @property
     def draft_loaded(self) -> bool:
-        p = self.proposer
-        return isinstance(p, DraftProposer) or isinstance(p, AutoProposer) and p.draft is not None
+        return isinstance(p := self.proposer, DraftProposer) or isinstance(p, AutoProposer) and p.draft is not None
 
     @property
     def costs(self) -> Costs | None:
@@ -222,15 +221,18 @@ class Engine:
         return infill_prompt(self.target, self.slots, self.prompt_rate, infill, max_tokens, budget_seconds, slot,
                              cache_reuse, layout, warm_up, self.pool.aside, self.pool.aside_lines)
 
-    def build_aside(self, build: AsideBuild, cancel: threading.Event, step: Callable[[int], int]) -> bool:
-        """Evaluate `build` into the aside sequence while nobody waits, from what it holds of it, in batches of
-        `step(left)` tokens until `cancel` (engine.slots), then put it in front of its slot's lines where it goes
-        there (engine.infill). Whether all of it is evaluated."""
+    def build_aside(self, build: AsideBuild, cancel: threading.Event, step: Callable[[int], int],
+                    room: Callable[[float], bool] = lambda seconds: True) -> bool:
+        """Evaluate `build` into the aside sequence while nobody waits, in batches of `step(left)` tokens until `cancel`
+        (engine.slots), then put it in front of its slot's lines where it goes there (engine.infill), in a pause with
+        `room` for the re-rotation, which nothing aborts (else a later pause does). Whether all of it is done."""
         self.pool.aside_lines = build.lines if build.slot is None else ""  # lines a request never starts at alone
         if not self.pool.build_aside(build.tokens, cancel.is_set, step):
             return False
-        if build.slot is not None:
-            self.pool.join_front(build.slot, build.head, build.follows)
+        if build.slot is not None and not room(self.prompt_rate.seconds(1, shifted=True)):
+            return False  # the build held for the next pause
+        if build.slot is not None and (t := self.pool.join_front(build.slot, build.head, build.follows)) is not None:
+            self.prompt_rate.observe(1, t, shifted=True)  # a one-token prefill that shifted
         return True
 
     def check_fits(self, prompt: Sequence[int], prompt_name: str = "the prompt") -> None:
@@ -246,8 +248,7 @@ class Engine:
 
     def generate(self, prompt: str | Sequence[int], config: GenerationConfig | None = None,
                  stop: Sequence[str] = (), cancel: threading.Event | None = None) -> Completion:
-        text, tokens = [], []
-        last = None
+        text, tokens, last = [], [], None
         for last in self.stream(prompt, config, stop=stop, cancel=cancel):
             text.append(last.text)
             tokens.extend(last.tokens)

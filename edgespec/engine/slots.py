@@ -121,21 +121,21 @@ class SlotPool:
                     return False
             return True
 
-    def join_front(self, index: int, head: int, follows: Sequence[int]) -> bool:
+    def join_front(self, index: int, head: int, follows: Sequence[int]) -> float | None:
         """Put the lines the aside holds after its `head` in front of slot `index`'s own, where that slot is free and
-        holds the same head, then `follows`; whether they were. The re-rotation the move asks for runs now, in the
-        pause (a decode of one token, dropped), not in the next request."""
+        holds the same head, then `follows`: the seconds it took, None where it did not. The re-rotation the move asks
+        for runs now, in the pause (a decode of one token, dropped), not in the next request."""
         aside, slot = self.aside, self.slots[index]
         assert aside is not None
         with self._free, self._turn:
             held = slot.cache.tokens
             if slot.busy or held[:head] != aside.tokens[:head] or held[head:head + len(follows)] != list(follows):
-                return False
-            first = aside.tokens[:1]
+                return None
+            first, start = aside.tokens[:1], time.perf_counter()
             slot.cache.join_front(aside, head)
             aside.decode(first, 0)
             aside.trim(0)
-            return True
+            return time.perf_counter() - start
 
     def adopt(self, slot: Slot, new_tokens: Callable[[KVSequence], int]) -> None:
         """Give `slot` the aside where its prompt has fewer `new_tokens` to evaluate there; the slot's old sequence,

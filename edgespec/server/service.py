@@ -179,6 +179,11 @@ class Service:
         assert self.loaded is not None  # not engine(): a build runs on while a draining server cancels it
         return costs.pause_batch(elapsed, tuple(self.pauses), self.loaded.prompt_rate.seconds, left, BACKGROUND_BATCH)
 
+    def pause_room(self, seconds: float) -> bool:
+        """Whether this pause is expected to hold `seconds` more of work that cannot be aborted."""
+        elapsed = 0.0 if self.idle_since is None else time.perf_counter() - self.idle_since
+        return costs.pause_holds(elapsed, tuple(self.pauses), seconds)
+
     def build_aside(self, build: Callable[[threading.Event], bool] | None, cancel: threading.Event) -> bool:
         """Run an aside build until done or `cancel` (counted in /metrics); whether it is done."""
         if build is None:

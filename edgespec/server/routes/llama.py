@@ -65,8 +65,7 @@ class LlamaRoutes:
         infill, room = schemas.infill(body), min(room, eng.n_ctx // 2)
         follow, lead = self._follow(infill, c) if c.max_tokens else (None, "")
         held, heal = healed(infill, layout) if heals and not follow else (infill, "")
-        ip = follow or eng.infill_prompt(held, room, budget, c.slot, c.cache_reuse, layout,
-                                         warm_up=c.max_tokens == 0)
+        ip = follow or eng.infill_prompt(held, room, budget, c.slot, c.cache_reuse, layout, warm_up=c.max_tokens == 0)
         if c.max_tokens:  # this generation leaves something else in the slot
             self.follows.pop(ip.slot, None)
         due = arrival + budget + c.time_limit + ANSWER_SLACK if budget is not None and c.time_limit else None
@@ -99,7 +98,8 @@ class LlamaRoutes:
             kept = not lead and self._keep(held, heal + answer, ip, chunks, layout)
             # the next requests' wider context: built aside, afresh, first; widened in place only without an aside
             build, widen = ip.aside(), wider if eng.pool.aside is None else None
-            aside = None if build is None else lambda cancel: eng.build_aside(build, cancel, self.svc.background_batch)
+            aside = None if build is None else lambda cancel: eng.build_aside(build, cancel, self.svc.background_batch,
+                                                                             self.svc.pause_room)
             self.svc.warm(widen, req.config, WIDEN_DELAY, now=lambda: () if kept or lead else ahead(answer),
                           aside=aside)
 

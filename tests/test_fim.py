@@ -174,6 +174,19 @@ def test_long_nearest_lines_are_fewer_within_near_most():
     assert fim.fit(warm, 10_000, 10, held, near_most=40) == fim.fit(warm, 10_000, 10, held)
 
 
+def test_where_the_suffix_lines_take_the_nearest_lines_budget_they_go_first_down_to_the_cursor_lines_rest():
+    """On a slow CPU, twice the budget (`near_most`) may not buy the nearest lines with the suffix's nearest lines
+    (long ones): those go first, down to the cursor line's rest, and the lines before the cursor stay (the prompt
+    once fell to no line at all here, and the model wrote a file name)."""
+    fim = FimPrompt(PLAIN, chars, "middle")
+    infill = Infill("a\n" * 20, "\n" + ("s" * 30 + "\n") * 3)  # the cursor line's rest is empty, 31 tokens a line
+    f = fim.fit(infill, room=10_000, max_new=10, near_most=40)
+    assert f.kept.prefix_tokens[0] == 2 * NEAR_LINES and f.kept.suffix_tokens[0] == 1, f.kept
+    f = fim.fit(infill, room=10_000, max_new=10, near_most=60)  # room for the next line too: it comes first
+    assert f.kept.prefix_tokens[0] == 2 * NEAR_LINES and f.kept.suffix_tokens[0] == 32, f.kept
+    assert fim.fit(infill, room=10_000, max_new=10).kept.suffix_tokens[0] == 63  # no cap: SUFFIX_LINES
+
+
 def test_a_line_over_the_budget_keeps_everything_cached_around_it():
     """The cursor moved down a line: the line just written is new and costs more than the budget, but dropping it
     would drop all the context the cache holds around it (the budget once fell to no context at all here)."""

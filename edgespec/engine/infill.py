@@ -187,7 +187,7 @@ def _from_aside(fim: FimPrompt, infill: Infill, room: int, aside: KVSequence, li
     if not (starts := _starts(infill, lines)):
         return None
     cost = lambda t: planned(aside, t).new  # noqa: E731 - the aside is priced as a prefix only
-    wide = fim.fit(infill, room, max(budget, 1), cost, starts=starts)
+    wide = fim.fit(infill, room, max(budget, 1), cost, starts=starts, near_most=max(budget, new))
     if wide.kept.prefix_tokens[0] <= fitted.kept.prefix_tokens[0] or (n := cost(wide.tokens)) > max(budget, new):
         return None
     return wide, n

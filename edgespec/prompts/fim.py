@@ -198,25 +198,24 @@ class FimPrompt:
             near_most: int | None = None) -> Fitted:
         """The widest prompt of at most `room` tokens of which at most `max_new` are new (`new_tokens` counts them
         against what is cached): whole lines nearest the cursor first, then the latest extra chunks. A budget below
-        the cost of the nearest lines (NEAR_LINES before the cursor, fewer where they would cost more than
-        `near_most`: long lines) is raised to it: without them a completion is a guess, and what the cache holds
-        around them comes with them for free. `starts`: counts of prefix lines worth trying, where a cache's prompt
-        starts (its cost drops there alone)."""
+        the cost of the nearest lines (NEAR_LINES before the cursor, with fewer suffix lines, then fewer of them, where
+        they cost more than `near_most`) is raised to it: without them a completion is a guess, and what the cache
+        holds around them comes free. `starts`: counts of prefix lines where a cache's prompt starts (cheaper alone)."""
         def fits(take: Take, most: int | None) -> tuple[list[int], list[int], list[int]] | None:
             built = self.tokens(infill, take)
             ok = len(built[0]) <= room and (most is None or new_tokens(built[0]) <= most)
             return built if ok else None
 
-        memo: dict[int, tuple[tuple[list[int], list[int], list[int]], int | None]] = {}
+        memo: dict[tuple[int, int], tuple[tuple[list[int], list[int], list[int]], int | None]] = {}
 
         def lines(step: int) -> tuple[tuple[list[int], list[int], list[int]], int | None]:
             """The prompt taking `step` of the lines, and its new tokens (None: over the room)."""
-            if step not in memo:
-                built = self.tokens(infill, _share(infill, step, 0))
-                memo[step] = built, new_tokens(built[0]) if len(built[0]) <= room else None
-            return memo[step]
+            if (step, least) not in memo:
+                built = self.tokens(infill, _share(infill, step, 0, least, least))
+                memo[step, least] = built, new_tokens(built[0]) if len(built[0]) <= room else None
+            return memo[step, least]
 
-        n_near, n_lines = NEAR_LINES, len(infill.prefix.splitlines())
+        n_near, n_lines, least = NEAR_LINES, len(infill.prefix.splitlines()), SUFFIX_LINES  # least: suffix lines
         near, cached = _steps_for(n_near, n_lines), {_steps_for(k, n_lines) for k in starts}
 
         def lowest(first: int) -> int:  # the nearest lines' cost, where they cost least: alone, or with what is cached
@@ -225,8 +224,10 @@ class FimPrompt:
 
         if max_new is not None:
             floor = lowest(near)
-            while near_most is not None and floor > near_most and n_near > 0:  # long lines: fewer of them
-                n_near -= 1
+            # a slow CPU's budget, long lines: the suffix down to the cursor line's rest first (lines before the
+            # cursor say more), then fewer of the nearest lines
+            while near_most is not None and floor > near_most and (least > 1 or n_near > 0):
+                least, n_near = (least - 1, n_near) if least > 1 else (least, n_near - 1)
                 near = _steps_for(n_near, n_lines)
                 floor = lowest(near)
             max_new = max(max_new, floor)
@@ -245,29 +246,12 @@ class FimPrompt:
                 raise InvalidRequestError(f"the typed text and FIM tokens take {alone} tokens, more than the {room} "
                                           f"available for the prompt; send a shorter 'prompt'")
             return Fitted(built[0], self.kept(infill, built[1], built[2], 0), 0, 0)
-        cap: int | None = SUFFIX_LINES
+        cap: int | None = least
         if max_new is not None:  # the suffix's further lines: free where cached unchanged, else a share of the budget
-            cap, built = self._suffix(infill, step, room, lines(step)[1] or 0, max_new, new_tokens, built)
-        n_extra, with_extra = _largest(len(infill.extra), lambda e: fits(_share(infill, step, e, cap), max_new))
+            cap, built = _suffix(self, infill, step, room, lines(step)[1] or 0, max_new, new_tokens, built, least)
+        n_extra, with_extra = _largest(len(infill.extra), lambda e: fits(_share(infill, step, e, cap, least), max_new))
         prompt, pre, suf = with_extra or built
         return Fitted(prompt, self.kept(infill, pre, suf, n_extra), step, n_extra)
-
-    def _suffix(self, infill: Infill, step: int, room: int, base: int, max_new: int,
-                new_tokens: Callable[[list[int]], int], built: tuple[list[int], list[int], list[int]]
-                ) -> tuple[int | None, tuple[list[int], list[int], list[int]]]:
-        """fit's suffix cap for `step` and its prompt: SUFFIX_LINES (`built`, `base` new tokens), or the most lines
-        whose new tokens stay within `base` and SUFFIX_SHARE of what the budget `max_new` has left (all: None)."""
-        allowed, top = base + int(SUFFIX_SHARE * max(0, max_new - base)), len(_counted_lines(infill.suffix))
-
-        def with_lines(n: int) -> tuple[list[int], list[int], list[int]] | None:
-            wide = self.tokens(infill, _share(infill, step, 0, n))
-            return wide if len(wide[0]) <= room and new_tokens(wide[0]) <= allowed else None
-
-        if (every := with_lines(top)) is not None:
-            return None, every
-        if top <= SUFFIX_LINES + 1 or (one := with_lines(SUFFIX_LINES + 1)) is None:  # a CPU's usual answer
-            return SUFFIX_LINES, built
-        return _bisect(SUFFIX_LINES + 2, top - 1, with_lines, (SUFFIX_LINES + 1, one))
 
     def _tail(self, infill: Infill, room: int, max_new: int | None, near_most: int | None,
               new_tokens: Callable[[list[int]], int]) -> Fitted | None:
@@ -345,6 +329,24 @@ class FimPrompt:
             if len(prompt) > room:
                 return
             yield prompt
+
+
+def _suffix(fim: FimPrompt, infill: Infill, step: int, room: int, base: int, max_new: int,
+            new_tokens: Callable[[list[int]], int], built: tuple[list[int], list[int], list[int]],
+            least: int = SUFFIX_LINES) -> tuple[int | None, tuple[list[int], list[int], list[int]]]:
+    """FimPrompt.fit's suffix cap for `step` and its prompt: `least` lines (`built`, `base` new tokens), or the most
+    lines whose new tokens stay within `base` and SUFFIX_SHARE of what the budget `max_new` has left (all: None)."""
+    allowed, top = base + int(SUFFIX_SHARE * max(0, max_new - base)), len(_counted_lines(infill.suffix))
+
+    def with_lines(n: int) -> tuple[list[int], list[int], list[int]] | None:
+        wide = fim.tokens(infill, _share(infill, step, 0, n, least))
+        return wide if len(wide[0]) <= room and new_tokens(wide[0]) <= allowed else None
+
+    if (every := with_lines(top)) is not None:
+        return None, every
+    if top <= least + 1 or (one := with_lines(least + 1)) is None:  # a CPU's usual answer
+        return least, built
+    return _bisect(least + 2, top - 1, with_lines, (least + 1, one))
 
 
 def lines_start(lines: Sequence[str], held: str) -> int | None:
@@ -445,15 +447,16 @@ class Fitted:
     extra_chunks: int
 
 
-def _share(infill: Infill, step: int, extra: int | None, suffix_cap: int | None = SUFFIX_LINES) -> Take:
-    """`step`/FIT_STEPS of each side's lines, nearest first (of the suffix's, SUFFIX_LINES at least and `suffix_cap` at
+def _share(infill: Infill, step: int, extra: int | None, suffix_cap: int | None = SUFFIX_LINES,
+           least: int = SUFFIX_LINES) -> Take:
+    """`step`/FIT_STEPS of each side's lines, nearest first (of the suffix's, `least` at least and `suffix_cap` at
     most, blank lines after the cursor line's rest not counted), and the `extra` latest chunks."""
     n_pre = math.ceil(step * len(infill.prefix.splitlines()) / FIT_STEPS)
     through = _counted_lines(infill.suffix)
     n_suf = math.ceil(step * len(through) / FIT_STEPS)
     # the nearest suffix lines at every width: with fewer of them, a narrow prompt would cost less than a wide one the
     # cache holds, and fit would drop the cached lines to save the suffix's
-    n_suf = max(n_suf, min(SUFFIX_LINES, len(through))) if step else 0
+    n_suf = max(n_suf, min(least, len(through))) if step else 0
     n_suf = n_suf if suffix_cap is None else min(n_suf, suffix_cap)
     return Take(n_pre, through[n_suf - 1] if n_suf else 0, extra)
 

@@ -333,7 +333,7 @@ class FimPrompt:
 
 def _suffix(fim: FimPrompt, infill: Infill, step: int, room: int, base: int, max_new: int,
             new_tokens: Callable[[list[int]], int], built: tuple[list[int], list[int], list[int]],
-            least: int = SUFFIX_LINES) -> tuple[int | None, tuple[list[int], list[int], list[int]]]:
+            least: int) -> tuple[int | None, tuple[list[int], list[int], list[int]]]:
     """FimPrompt.fit's suffix cap for `step` and its prompt: `least` lines (`built`, `base` new tokens), or the most
     lines whose new tokens stay within `base` and SUFFIX_SHARE of what the budget `max_new` has left (all: None)."""
     allowed, top = base + int(SUFFIX_SHARE * max(0, max_new - base)), len(_counted_lines(infill.suffix))

@@ -173,16 +173,20 @@ class Service:
 
         self._background(cancel, self.submit(work), awaited=False)
 
+    @property
+    def paused_for(self) -> float:
+        """Seconds since the last answer (0 while a request runs)."""
+        return 0.0 if self.idle_since is None else time.perf_counter() - self.idle_since
+
     def background_batch(self, left: int) -> int:
         """Tokens for the next batch of an aside build, `left` to evaluate: sized to end within this pause."""
-        elapsed = 0.0 if self.idle_since is None else time.perf_counter() - self.idle_since
         assert self.loaded is not None  # not engine(): a build runs on while a draining server cancels it
-        return costs.pause_batch(elapsed, tuple(self.pauses), self.loaded.prompt_rate.seconds, left, BACKGROUND_BATCH)
+        return costs.pause_batch(self.paused_for, tuple(self.pauses), self.loaded.prompt_rate.seconds, left,
+                                 BACKGROUND_BATCH)
 
     def pause_room(self, seconds: float) -> bool:
         """Whether this pause is expected to hold `seconds` more of work that cannot be aborted."""
-        elapsed = 0.0 if self.idle_since is None else time.perf_counter() - self.idle_since
-        return costs.pause_holds(elapsed, tuple(self.pauses), seconds)
+        return costs.pause_holds(self.paused_for, tuple(self.pauses), seconds)
 
     def build_aside(self, build: Callable[[threading.Event], bool] | None, cancel: threading.Event) -> bool:
         """Run an aside build until done or `cancel` (counted in /metrics); whether it is done."""

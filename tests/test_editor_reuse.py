@@ -478,6 +478,27 @@ def test_a_warm_request_lines_further_down_keeps_the_slots_start_in_place(qwen_d
         assert again.new_tokens <= again.budget_tokens
 
 
+def test_a_line_start_past_its_budget_keeps_the_slots_lines_in_place_where_a_move_would_leave_none(qwen_draft_path):
+    """The cursor at the next line's start on a slow CPU: the line just written and the suffix's nearest lines cost
+    more than the budget, and a move's re-rotation would take all of twice the budget (NEAR_BUDGETS). The slot's
+    lines stay in place and the new ones go after them, the suffix's lines first cut, within twice the budget (the
+    prompt once fell to the repository header alone here, and the model wrote a file name)."""
+    prices = ((1, 64), (0.05, 0.4))  # as above: 0.1 s buys 8 new tokens, 0.2 s 22 where nothing moves
+    here = Infill("".join(LINES[:101]), "\n" + "".join(LINES[102:106]), "    ")
+    down = Infill("".join(LINES[:102]), "".join(LINES[102:106]))  # the line written, the cursor at the next start
+    with Engine(EngineConfig(str(qwen_draft_path), proposer="none", load=LoadConfig(n_ctx=4096))) as eng:
+        eng.prompt_rate = PromptRate(*prices)
+        first = eng.infill_prompt(here, 16, 0.5, cache_reuse=16, layout="middle")
+        eng.generate(first.tokens, GenerationConfig(max_tokens=1, cache_reuse=16, memory=None, slot=first.slot))
+        eng.prompt_rate = PromptRate(*prices)
+        eng.prompt_rate.shift = 0.5  # a move leaves nothing of the floor's 0.2 s
+        again = eng.infill_prompt(down, 16, 0.1, cache_reuse=16, layout="middle")
+        held = first.tokens.index(eng.target.vocab.fim_pre) + 1 + first.kept.prefix_tokens[0]
+        assert again.tokens[:held] == first.tokens[:held], (first.kept, again.kept)
+        assert again.kept.prefix_tokens[0] > first.kept.prefix_tokens[0], (first.kept, again.kept)
+        assert again.new_tokens <= eng.prompt_rate.tokens_within(NEAR_BUDGETS * 0.1), (first.kept, again.kept)
+
+
 def test_the_nearest_lines_a_cold_request_left_out_are_priced_with_the_move_they_need(qwen_draft_path):
     """A cold request whose budget bought only some of the nearest lines (NEAR_LINES), then the same line typed on:
     the rest of them go before what the slot holds, which moves it, a re-rotation of the whole cache. The floor they

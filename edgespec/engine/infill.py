@@ -118,19 +118,18 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
     chosen = _slot_for(slots, slot, lambda s: new_tokens(s, widest))
     target = slots[chosen]
     fitted, budget = None, rate.tokens_within(budget_seconds) or 0
-    plain, starts = budget, ()  # plain: what the budget buys where nothing moves (as in the aside)
+    plain, starts, relaxed = budget, (), None  # plain: what the budget buys where nothing moves (as in the aside)
     if kept_of(target, widest).moved:  # moving what the slot holds costs a re-rotation before any token's price
         moving = rate.tokens_within(budget_seconds, True) or 0
         # the one start that moves nothing is the slot's own: fit's scan may miss it
         starts = _starts(infill, cached_lines(target.cache.tokens, m.vocab, m.token_bytes))
         if moving <= MOVE_MIN_GAIN:
-            in_place = fim.fit(infill, room, max(budget, 1),
-                               lambda t: room + 1 if (k := kept_of(target, t)).moved else k.new, starts=starts)
-            k = kept_of(target, in_place.tokens)
-            fitted = in_place if k.moved == 0 and k.new <= budget else None
+            fitted, relaxed = _in_place(fim, infill, room, budget, near, lambda t: kept_of(target, t), starts)
         if not fitted:  # the move's price comes first, for the nearest lines too
             budget, near = moving, rate.tokens_within(NEAR_BUDGETS * budget_seconds, True) or 0
     fitted = fitted or fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t), starts, near)
+    if relaxed is not None and relaxed.kept.prefix_tokens[0] > fitted.kept.prefix_tokens[0]:
+        fitted, budget = relaxed, plain
     new = new_tokens(target, fitted.tokens)
     if aside is not None and aside.tokens and (wide := _from_aside(fim, infill, room, aside, aside_lines, plain,
                                                                    fitted, new)):
@@ -143,6 +142,19 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
                    suffix_tokens=(fitted.kept.suffix_tokens[0], len(_tokens(m, asked.suffix))))
     return InfillPrompt(fitted.tokens, kept, chosen, new, budget,
                         lambda: fim.widening(infill, room, fitted, WIDEN_LINES_STEP), build)
+
+
+def _in_place(fim: FimPrompt, infill: Infill, room: int, budget: int, near: int,
+              kept: Callable[[list[int]], reuse.Reuse], starts: Sequence[int]) -> tuple[Fitted | None, Fitted | None]:
+    """The prompt for `infill` that moves nothing of what its slot holds (`kept` plans it against the slot) within
+    `budget` new tokens, else (second) one whose nearest lines take up to `near` (FimPrompt.fit's `near_most`): a
+    move's price may leave them none. None where there is none."""
+    def fit(most: int | None) -> Fitted | None:
+        f = fim.fit(infill, room, max(budget, 1), lambda t: room + 1 if (k := kept(t)).moved else k.new, starts, most)
+        k = kept(f.tokens)
+        return f if k.moved == 0 and k.new <= max(budget, most or 0) else None
+
+    return (strict, None) if (strict := fit(None)) else (None, fit(near))
 
 
 def _aside_build(fim: FimPrompt, infill: Infill, fitted: Fitted, most: int, asked: str,

@@ -483,7 +483,7 @@ def test_a_line_start_past_its_budget_keeps_the_slots_lines_in_place_where_a_mov
     more than the budget, and a move's re-rotation would take all of twice the budget (NEAR_BUDGETS). The slot's
     lines stay in place and the new ones go after them, the suffix's lines first cut, within twice the budget (the
     prompt once fell to the repository header alone here, and the model wrote a file name)."""
-    prices = ((1, 64), (0.05, 0.4))  # as above: 0.1 s buys 8 new tokens, 0.2 s 22 where nothing moves
+    prices = ((1, 64), (0.05, 0.4))  # as above: 0.1 s buys 10 new tokens, 0.2 s 28 where nothing moves
     here = Infill("".join(LINES[:101]), "\n" + "".join(LINES[102:106]), "    ")
     down = Infill("".join(LINES[:102]), "".join(LINES[102:106]))  # the line written, the cursor at the next start
     with Engine(EngineConfig(str(qwen_draft_path), proposer="none", load=LoadConfig(n_ctx=4096))) as eng:

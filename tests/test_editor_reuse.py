@@ -235,7 +235,7 @@ def test_in_the_middle_layout_the_request_after_a_finished_line_is_served_at_the
         fim = {"input_prefix": "".join(SOURCE[:20]) + "def f20(x):\n",
                "input_suffix": "\n\n\nif __name__ == '__main__':\n    print(f20(1))\n",
                "prompt": "    return x * 20", "n_predict": 32, "temperature": 0, "t_max_prompt_ms": 60000,
-               "t_max_predict_ms": 1000}
+               "t_max_predict_ms": 10000}  # llama.vim sends 1000: a 2-core CPU shared with other tests cut the line
         first = httpx.post(s.url + "/infill", json=fim, timeout=300).json()
         assert first["stop_type"] == "eos" and first["infill"]["layout"] == "middle", first
         shown = accepted(Infill(fim["input_prefix"], fim["input_suffix"], fim["prompt"]), first["content"])

@@ -357,6 +357,23 @@ def test_an_amx_build_repacks_the_weights_without_amx(qwen_draft_path, caplog):
         assert not moved
 
 
+def test_the_re_rotation_a_move_costs_is_timed_in_the_empty_aside_and_leaves_it_empty(smollm_path, gemma_path):
+    """A move's price (decoding.costs.PromptRate.shift) is timed once at load: llama.cpp re-rotates every cell of
+    the context whatever the sequences hold, so the aside, empty then, times it for all. None where nothing moves."""
+    with Model(smollm_path, LoadConfig(n_ctx=512)) as m:
+        assert SlotPool([Slot(m.sequences[0], None)], m.aside).rerotation_seconds() is None  # no aside
+    with Model(gemma_path, LoadConfig(n_ctx=512, aside=256)) as m:
+        assert m.aside is None and not m.can_shift  # a sliding-window cache: no parks, no aside, no move
+    with Model(smollm_path, LoadConfig(n_ctx=512, aside=256)) as m:
+        slot = Slot(m.sequences[0], None)
+        text = m.tokenize("def area(width: float, height: float) -> float:\n", add_special=False)
+        slot.cache.evaluate(text)
+        seconds = SlotPool([slot], m.aside).rerotation_seconds()
+        assert seconds is not None and seconds >= 0.0
+        assert m.aside.tokens == [] and m.aside.pos_max() == -1  # nothing of the probe is left
+        assert slot.cache.tokens == text and slot.cache.pos_max() == len(text) - 1  # nor moved in the slot
+
+
 def test_a_slot_takes_the_aside_whole_only_where_it_leaves_less_to_evaluate(smollm_path):
     """The aside is built beside the slot, sharing none of its cells: the slot then moves its own (chunk reuse,
     which moves a cell in every sequence holding it) and the aside still holds what it evaluated. A slot takes the

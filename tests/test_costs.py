@@ -171,6 +171,17 @@ def test_a_prefill_that_moved_chunks_teaches_the_shift_not_the_scale():
     assert 0.2 < rate.shift < 0.4 and rate.scale == 1.0
 
 
+def test_a_timed_re_rotation_follows_a_slow_prefill_at_most_twofold():
+    """One slow spell over a long prompt that moved chunks once set the learned re-rotation whole (1.36 s against
+    the 0.3-0.5 s a timed one takes): with a timed one to start from, an observation moves it as the scale moves."""
+    rate = PromptRate((1, 2, 4), (0.1, 0.15, 0.2), shift=0.3)  # timed at load (engine.slots.SlotPool)
+    assert rate.seconds(4, shifted=True) == pytest.approx(0.5)
+    rate.observe(34, rate.seconds(34) + 2.0, shifted=True)  # 2 s past the tokens' price: taken as 0.6
+    assert rate.shift == pytest.approx(0.8 * 0.3 + 0.2 * 0.6) and rate.scale == 1.0
+    rate.observe(1, rate.seconds(1), shifted=True)  # past the tokens' price by nothing: taken as half
+    assert rate.shift == pytest.approx(0.8 * 0.36 + 0.2 * 0.18)
+
+
 def test_background_batches_are_sized_to_end_within_the_pauses_seen():
     rate = PromptRate((1, 16, 64), (0.1, 0.19, 0.6))  # the 1.5B target's curve on 2 cores, about
     editor = [0.01, 1.0] * 8  # an answer's own follow-up request at once, then the user's pause of a second

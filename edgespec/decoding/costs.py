@@ -104,13 +104,14 @@ class PromptRate:
     than a long prompt (a small batch runs slower kernels), and an editor's next request is a few new tokens.
 
     A prefill that moved cached chunks also paid for llama.cpp's re-rotation of every cell of the context, a cost
-    of the context's size, not of the tokens: it is learned apart (`shift`), so it neither inflates the scale nor
-    is forgotten where a prompt needs it."""
+    of the context's size, not of the tokens: it is priced apart (`shift`, timed once where the engine can, then
+    followed), so it neither inflates the scale nor is forgotten where a prompt needs it."""
 
-    def __init__(self, batches: Sequence[int] = (), seconds: Sequence[float] = (), decay: float = COST_DECAY) -> None:
+    def __init__(self, batches: Sequence[int] = (), seconds: Sequence[float] = (), shift: float | None = None,
+                 decay: float = COST_DECAY) -> None:
         self.batches, self.seconds_of = tuple(batches), tuple(seconds)
         self.decay, self.scale = decay, 1.0
-        self.shift: float | None = None  # seconds of one re-rotation, once a prefill with one was seen
+        self.shift = shift  # seconds of one re-rotation: timed (engine.slots), else the first prefill with one
 
     @property
     def known(self) -> bool:
@@ -137,12 +138,13 @@ class PromptRate:
 
     def observe(self, tokens: int, seconds: float, shifted: bool = False) -> None:
         """A prefill of `tokens` new tokens took `seconds`: the scale follows it, at most 2x per observation; one
-        that `shifted` the cache teaches the re-rotation's cost instead (what it took past the tokens' price)."""
+        that `shifted` the cache teaches the re-rotation's cost instead (what it took past the tokens' price), also
+        at most 2x: a slow spell over a long prompt is the tokens' more than the re-rotation's."""
         if seconds <= 0 or not self.known:
             return
         if shifted:
-            past = max(0.0, seconds - self.seconds(tokens))
-            self.shift = past if self.shift is None else self.decay * self.shift + (1 - self.decay) * past
+            past, old = max(0.0, seconds - self.seconds(tokens)), self.shift
+            self.shift = past if old is None else self.decay * old + (1 - self.decay) * min(max(past, old / 2), old * 2)
             return
         if tokens <= 0:
             return

@@ -93,8 +93,8 @@ class Engine:
             raise
         self.slots = [Slot(cache, p, index=i) for i, (cache, p) in enumerate(zip(self.target.sequences, proposers))]
         self.pool = SlotPool(self.slots, self.target.aside)
-        c = self.costs  # the calibrated curve prices a prompt's new tokens; every prefill corrects its scale
-        self.prompt_rate = PromptRate(*c.prompt_curve) if c is not None else PromptRate()
+        c = self.costs  # the calibrated curve prices a prompt's new tokens, a probe a move; prefills correct both
+        self.prompt_rate = PromptRate(*c.prompt_curve, self.pool.rerotation_seconds()) if c else PromptRate()
         self.target.padded = self.prompt_rate.padded  # type: ignore[method-assign]  # the sizes it pays to pad to
         if not self.target.can_shift:
             self.notes.append(f"{self.target.path.name} cannot shift its KV cache (sliding-window attention, or a "

@@ -137,6 +137,24 @@ class SlotPool:
             aside.trim(0)
             return time.perf_counter() - start
 
+    def rerotation_seconds(self) -> float | None:
+        """Seconds llama.cpp takes to re-rotate moved entries, timed in the empty aside: it covers every cell of the
+        context whatever the sequences hold, so one probe prices every move (decoding.costs.PromptRate.shift). None
+        without an aside that can move its entries."""
+        aside = self.aside
+        if aside is None or not aside.can_shift or aside.n_past:
+            return None
+        with self._turn:
+            aside.decode([0] * 5, 1)  # untimed: a load's first decode also pages the weights in
+            start = time.perf_counter()
+            aside.decode([0], 1)
+            aside.decode([0], 1)
+            plain, start = time.perf_counter() - start, time.perf_counter()
+            aside.evaluate([0] * 9, [(0, 0, 1), (2, 1, 6)])  # the 6 after the first move on by one: two decodes
+            shifted = time.perf_counter() - start
+            aside.trim(0)
+        return max(0.0, shifted - plain)
+
     def adopt(self, slot: Slot, new_tokens: Callable[[KVSequence], int]) -> None:
         """Give `slot` the aside where its prompt has fewer `new_tokens` to evaluate there; the slot's old sequence,
         emptied, becomes the aside."""

@@ -260,6 +260,29 @@ def test_in_the_middle_layout_the_request_after_a_finished_line_is_served_at_the
         s.stop()
 
 
+def test_an_answer_cut_past_its_line_break_serves_the_next_request_at_the_next_line(server):
+    """The time limit cuts an answer at a line break, which the editor drops, and Qwen spells a line's end and its
+    break as one token (`:\n`, `()\n`): the editor's next request, the answer taken as typed, ends inside that token.
+    It is served from the answer's own tokens all the same, at the next line's start, its answer led by the break
+    (cut here by n_predict at the first token holding a break: the same cut, not ended by the model)."""
+    fim = {"input_prefix": "".join(SOURCE[:20]) + "def mean(values):\n",
+           "input_suffix": "\n\n\nif __name__ == '__main__':\n    print(mean([1, 2]))\n", "prompt": "    total",
+           "n_predict": 24, "temperature": 0, "t_max_prompt_ms": 60000, "return_tokens": True}
+    pieces = lambda ids: [httpx.post(server.url + "/detokenize", json={"tokens": [t]}).json()["content"]  # noqa: E731
+                          for t in ids]
+    whole = httpx.post(server.url + "/infill", json=fim, timeout=300).json()
+    spelt = pieces(whole["tokens"])
+    k = next(i for i, p in enumerate(spelt) if "\n" in p) + 1
+    assert not spelt[k - 1].split("\n", 1)[1].strip("\n"), spelt  # the break ends its token: the next line's apart
+    cut = httpx.post(server.url + "/infill", json={**fim, "n_predict": k}, timeout=300).json()
+    assert cut["tokens"] == whole["tokens"][:k] and cut["content"].endswith("\n"), (whole, cut)
+    shown = accepted(Infill(fim["input_prefix"], fim["input_suffix"], fim["prompt"]), cut["content"])
+    spec = httpx.post(server.url + "/infill", json={**fim, "input_prefix": shown.prefix, "prompt": shown.typed},
+                      timeout=300).json()
+    assert spec["infill"]["continued"] and spec["timings"]["prompt_n"] <= 2, (cut, spec)
+    assert spec["content"] == "" or spec["content"].startswith("\n"), spec
+
+
 def test_a_request_preempts_a_warm_up_in_flight(server):
     """A long warm-up is background work: the next completion does not wait for all of it."""
     big = [{"filename": "big.py", "text": "".join(SOURCE) * 2}]

@@ -337,6 +337,14 @@ def test_in_the_middle_layout_an_answer_the_model_ended_is_continued_at_the_next
     # not ended (cut by the time limit): as in the prefix layout, the prompt and the answer's tokens, no lead
     cont = continuation(at, answer, prompt, chars(answer), PLAIN, piece, "middle", newline=[ord("\n")])
     assert cont.tokens == prompt + chars(answer) and cont.lead == ""
+    # cut at a line break the editor drops, also one token with the line's end (":\n"): the line is done, as above
+    colon = lambda t: b"1:\n" if t == 5000 else chr(t).encode()  # noqa: E731
+    for generated, spelt in ((chars(answer + "\n"), piece), ([*chars(" x + "), 5000], colon)):
+        shown = b"".join(spelt(t) for t in generated).decode()
+        cont = continuation(at, shown, prompt, generated, PLAIN, spelt, "middle")
+        assert cont.tokens == prompt + generated and cont.lead == "\n" and cont.serves(accepted(at, shown))
+        assert continuation(at, shown, plain_prompt, generated, PLAIN, spelt) is None  # the prefix layout: none
+    assert continuation(at, " x + 1:", prompt, [*chars(" x + "), 5000, ord("y")], PLAIN, colon, "middle") is None
 
 
 def test_the_stable_part_keeps_its_first_line_as_the_cursor_moves_down_and_a_fit_starts_there():

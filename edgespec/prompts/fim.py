@@ -544,7 +544,8 @@ def continuation(infill: Infill, answer: str, prompt: Sequence[int], generated: 
     whole (blank lines dropped, a line the indentation cut) or that ends where the model chose (`ended`: its end of
     generation or a stop string): the same prompt would only choose that end again. Except in the middle layout,
     given the tokens of a `newline` (an end of generation, not a stop string): there the answer's line is done, and
-    the prompt goes on at the next line's start, the answer to come starting with the line break (`lead`)."""
+    the prompt goes on at the next line's start, the answer to come starting with the line break (`lead`). So it
+    does where the tokens spell line breaks past what the editor shows (`:\n` is one token), ended or cut."""
     nxt, tokens = accepted(infill, answer), list(prompt)
     pre = _last(tokens, vocab.fim_pre)
     suf = len(tokens) if pre is None else _find(tokens, vocab.fim_suf, pre)
@@ -556,12 +557,12 @@ def continuation(infill: Infill, answer: str, prompt: Sequence[int], generated: 
     shown, got, k = answer.rstrip("\n").encode(), b"", 0
     while len(got) < len(shown) and k < len(generated):
         got, k = got + piece(generated[k]), k + 1
-    # past what the editor shows: nothing, or where the prompt goes on at the next line, the line breaks it drops
-    dropped = b"".join(piece(t) for t in generated[k:])
-    if got != shown or not held.endswith(typed) or (dropped and (not next_line or dropped.strip(b"\n"))):
+    # past what the editor shows: nothing, or in the middle layout line breaks, where the prompt goes on from them
+    past = got[len(shown):] + b"".join(piece(t) for t in generated[k:])
+    if not got.startswith(shown) or past.strip(b"\n") or (past and layout != "middle") or not held.endswith(typed):
         return None
     held_text = held[:len(held) - len(typed)].decode("utf-8", "replace")
-    if next_line:  # the line breaks the model ended with, else one
+    if next_line or past:  # the line breaks the model wrote, else one
         return Continuation(nxt, held_text + nxt.prefix[len(infill.prefix):],
-                            [*tokens, *generated, *(() if dropped else newline)], dropped.decode() or "\n")
+                            [*tokens, *generated, *(() if past else newline)], past.decode() or "\n")
     return Continuation(nxt, held_text + nxt.prefix[len(infill.prefix):], [*tokens, *generated[:k]])

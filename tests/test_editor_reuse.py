@@ -270,12 +270,15 @@ def test_an_answer_cut_past_its_line_break_serves_the_next_request_at_the_next_l
            "n_predict": 24, "temperature": 0, "t_max_prompt_ms": 60000, "return_tokens": True}
     pieces = lambda ids: [httpx.post(server.url + "/detokenize", json={"tokens": [t]}).json()["content"]  # noqa: E731
                           for t in ids]
-    whole = httpx.post(server.url + "/infill", json=fim, timeout=300).json()
-    spelt = pieces(whole["tokens"])
-    k = next(i for i, p in enumerate(spelt) if "\n" in p) + 1
-    assert not spelt[k - 1].split("\n", 1)[1].strip("\n"), spelt  # the break ends its token: the next line's apart
-    cut = httpx.post(server.url + "/infill", json={**fim, "n_predict": k}, timeout=300).json()
-    assert cut["tokens"] == whole["tokens"][:k] and cut["content"].endswith("\n"), (whole, cut)
+    cut = httpx.post(server.url + "/infill", json=fim, timeout=300).json()
+    for _ in range(4):  # a prompt served again from its kept row may break a near tie the other way: cut that one
+        k = next(i for i, p in enumerate(pieces(cut["tokens"])) if "\n" in p) + 1
+        cut = httpx.post(server.url + "/infill", json={**fim, "n_predict": k}, timeout=300).json()
+        spelt = pieces(cut["tokens"])
+        if len(spelt) == k and "\n" in spelt[-1] and not any("\n" in p for p in spelt[:-1]):
+            break
+    assert len(spelt) == k and cut["content"].endswith("\n") and cut["stop_type"] == "limit", (spelt, cut)
+    assert not spelt[-1].split("\n", 1)[1].strip("\n"), spelt  # the break ends its token: the next line's apart
     shown = accepted(Infill(fim["input_prefix"], fim["input_suffix"], fim["prompt"]), cut["content"])
     spec = httpx.post(server.url + "/infill", json={**fim, "input_prefix": shown.prefix, "prompt": shown.typed},
                       timeout=300).json()

@@ -150,7 +150,7 @@ class SlotPool:
             aside.decode([0], 1)
             aside.decode([0], 1)
             plain, start = time.perf_counter() - start, time.perf_counter()
-            aside.evaluate([0] * 9, [(0, 0, 1), (2, 1, 6)])  # the 6 after the first move on by one: two decodes
+            aside.evaluate([0] * 9, [(0, 0, 1), (2, 1, 6)])  # 6 moved on by one, a token before them and after
             shifted = time.perf_counter() - start
             aside.trim(0)
         return max(0.0, shifted - plain)

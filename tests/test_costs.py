@@ -173,7 +173,7 @@ def test_a_prefill_that_moved_chunks_teaches_the_shift_not_the_scale():
 
 def test_a_timed_re_rotation_follows_a_slow_prefill_at_most_twofold():
     """One slow spell over a long prompt that moved chunks once set the learned re-rotation whole (1.36 s against
-    the 0.3-0.5 s a timed one takes): with a timed one to start from, an observation moves it as the scale moves."""
+    the 0.23-0.51 s timed ones took): with a timed one to start from, an observation moves it as the scale moves."""
     rate = PromptRate((1, 2, 4), (0.1, 0.15, 0.2), shift=0.3)  # timed at load (engine.slots.SlotPool)
     assert rate.seconds(4, shifted=True) == pytest.approx(0.5)
     rate.observe(34, rate.seconds(34) + 2.0, shifted=True)  # 2 s past the tokens' price: taken as 0.6

@@ -341,10 +341,10 @@ def test_a_request_cancels_background_work_registered_while_it_waited_to_preempt
     import asyncio
     import types
 
-    from edgespec.server.service import Service
+    from edgespec.server.service import Pauses, Service
 
     async def scenario() -> bool:
-        svc = types.SimpleNamespace(background={}, loaded=None, idle_since=None)
+        svc = types.SimpleNamespace(background={}, loaded=None, pauses=Pauses(lambda _: None))
 
         def background(cancel: threading.Event, then=None) -> None:
             async def job() -> None:
@@ -368,14 +368,13 @@ def _run_fake():
     answers every job at once with ["chunk"] (the jobs it got: `submitted`), and a request that stays connected:
     pure asyncio logic, the real jobs being engine threads."""
     import asyncio
-    import collections
     import functools
     import types
 
-    from edgespec.server.service import Service
+    from edgespec.server.service import Pauses, Service
 
-    svc = types.SimpleNamespace(active=set(), background={}, aside_build=None, idle_since=None, loaded=None,
-                                pauses=collections.deque(), submitted=[], engine=lambda: None, count=lambda c: None)
+    svc = types.SimpleNamespace(active=set(), background={}, aside_build=None, loaded=None,
+                                pauses=Pauses(lambda _: None), submitted=[], engine=lambda: None, count=lambda c: None)
     svc._background = functools.partial(Service._background, svc)
     svc.preempt = functools.partial(Service.preempt, svc)
 
@@ -423,11 +422,11 @@ def test_a_completion_run_counts_no_pause_of_its_own():
 
     async def scenario() -> list[float]:
         svc, request = _run_fake()
-        svc.idle_since = 0.0  # an answer ended at some time
+        svc.pauses.answered()  # an answer ended
         completion = types.SimpleNamespace(config=GenerationConfig(max_tokens=4), stop=())
         for _ in range(2):  # two of n_cmpl's completions
             await Service.run(svc, request, [1, 2], completion, threading.Event())
-        return list(svc.pauses)
+        return list(svc.pauses.seen)
 
     assert asyncio.run(scenario()) == []
 

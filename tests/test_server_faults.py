@@ -126,6 +126,33 @@ def test_a_second_ctrl_c_ends_the_grace_period_now_and_streams_still_end_properl
     assert_ended_properly(events)
 
 
+STOPPED = 4.0  # seconds a server is kept stopped (SIGSTOP) between two requests
+
+
+def pauses(server: Server) -> tuple[float, float]:
+    """edgespec_pause_seconds' count and sum from /metrics."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return tuple(float(line.split()[1]) for line in text.splitlines()  # type: ignore[return-value]
+                 if line.startswith(("edgespec_pause_seconds_count ", "edgespec_pause_seconds_sum ")))
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="no SIGSTOP on Windows")
+def test_a_stopped_spell_is_not_counted_in_the_pause_background_work_is_sized_to(smol):
+    # Ctrl-Z then fg, a debugger, a lockstep benchmark's freeze: the stopped seconds ran no background work, and
+    # pauses counted with them would size its batches past the end of the next pause (server.service.Pauses.resumed).
+    body = {"prompt": "hi", "max_tokens": 1}
+    assert completion(smol, body).status_code == 200
+    before = pauses(smol)
+    smol.proc.send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(STOPPED)
+    finally:
+        smol.proc.send_signal(signal.SIGCONT)
+    assert completion(smol, body).status_code == 200
+    count, seconds = (now - then for now, then in zip(pauses(smol), before))
+    assert count == 1 and seconds < STOPPED / 2, (count, seconds)
+
+
 @pytest.mark.parametrize("fault", ["replaced", "deleted", "overwritten in place"])
 def test_model_file_changed_under_a_running_server_is_not_a_crash(fault, smollm_path, gemma_path, tmp_path):
     copy = tmp_path / "model.gguf"

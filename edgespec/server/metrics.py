@@ -12,6 +12,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    Histogram,
     disable_created_metrics,
     generate_latest,
 )
@@ -44,6 +45,9 @@ class Metrics:
         self.busy = Gauge("edgespec_slots_busy", "Slots generating now", registry=r)
         self.aside_builds = Counter("edgespec_aside_builds", "Wider /infill contexts built beside the slots while "
                                     "nobody waited, by outcome (done, stopped by a request)", ["outcome"], registry=r)
+        self.pauses = Histogram("edgespec_pause_seconds", "Pauses from an answer to the next request someone waited "
+                                "on, while the server ran (not while stopped): what background batches are sized to",
+                                buckets=(0.25, 0.5, 1, 2, 4, 8, 16, 32), registry=r)
 
     def request(self, route: str, status: int) -> None:
         self.requests.labels(route, str(status)).inc()

@@ -38,6 +38,38 @@ log = logging.getLogger(__name__)
 DISCONNECT_POLL_SECONDS = 0.1
 
 
+class Pauses:
+    """The pauses from an answer someone waited on to the next awaited request, in the time this process ran:
+    background batches are sized to end within them (costs.pause_batch)."""
+
+    def __init__(self, observe: Callable[[float], None]) -> None:
+        self.since: float | None = None  # when the last answer ended; None while one is awaited
+        self.seen: collections.deque[float] = collections.deque(maxlen=PAUSES_KEPT)
+        self.observe = observe  # each pause that ends (the metrics)
+
+    def answered(self) -> None:
+        self.since = time.perf_counter()
+
+    def awaited(self) -> None:
+        """A request someone waits on came: the pause since the last answer ends."""
+        if self.since is not None:
+            self.seen.append(time.perf_counter() - self.since)
+            self.observe(self.seen[-1])
+            self.since = None
+
+    def resumed(self) -> None:
+        """The process runs again after a stop (SIGCONT: Ctrl-Z then fg, a debugger, a lockstep benchmark's freeze):
+        the pause counts from now, as the stopped time ran no background work. Counted with it, the pauses seen
+        would promise batches more time than the next pause holds, and each would be lost."""
+        if self.since is not None:
+            self.since = time.perf_counter()
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the last answer (0 while a request runs)."""
+        return 0.0 if self.since is None else time.perf_counter() - self.since
+
+
 class Service:
     """The server's state and its route handlers: one engine, requests in arrival order."""
 
@@ -58,10 +90,7 @@ class Service:
         # The aside build the last budgeted /infill answer asked for (Engine.build_aside), None once done: an editor's
         # warm-up runs it before its own chunks, which a budgeted completion rarely carries.
         self.aside_build: Callable[[threading.Event], bool] | None = None
-        # When the last answer someone waited on ended (None while one is awaited), and the pauses from such an
-        # answer to the next awaited request: background batches are sized to end within them (pause_batch).
-        self.idle_since: float | None = None
-        self.pauses: collections.deque[float] = collections.deque(maxlen=PAUSES_KEPT)
+        self.pauses = Pauses(self.metrics.pauses.observe)
 
     def load(self) -> None:
         try:
@@ -135,9 +164,8 @@ class Service:
         """Stop the background evaluations and wait for them to give the engine back (their batch in flight is
         aborted; what they evaluated before it stays in the cache, for this request to reuse). An `awaited` request
         (not an editor's warm-up) ends the pause since the last answer."""
-        if awaited and self.idle_since is not None:
-            self.pauses.append(time.perf_counter() - self.idle_since)
-            self.idle_since = None
+        if awaited:
+            self.pauses.awaited()
         # Until none is left: a warm-up whose handler was waiting on the same job may register meanwhile, and
         # this request would then queue behind all of its evaluation.
         while jobs := list(self.background.items()):
@@ -173,20 +201,15 @@ class Service:
 
         self._background(cancel, self.submit(work), awaited=False)
 
-    @property
-    def paused_for(self) -> float:
-        """Seconds since the last answer (0 while a request runs)."""
-        return 0.0 if self.idle_since is None else time.perf_counter() - self.idle_since
-
     def background_batch(self, left: int) -> int:
         """Tokens for the next batch of an aside build, `left` to evaluate: sized to end within this pause."""
         assert self.loaded is not None  # not engine(): a build runs on while a draining server cancels it
-        return costs.pause_batch(self.paused_for, tuple(self.pauses), self.loaded.prompt_rate.seconds, left,
+        return costs.pause_batch(self.pauses.elapsed, tuple(self.pauses.seen), self.loaded.prompt_rate.seconds, left,
                                  BACKGROUND_BATCH)
 
     def pause_room(self, seconds: float) -> bool:
         """Whether this pause is expected to hold `seconds` more of work that cannot be aborted."""
-        return costs.pause_holds(self.paused_for, tuple(self.pauses), seconds)
+        return costs.pause_holds(self.pauses.elapsed, tuple(self.pauses.seen), seconds)
 
     def build_aside(self, build: Callable[[threading.Event], bool] | None, cancel: threading.Event) -> bool:
         """Run an aside build until done or `cancel` (counted in /metrics); whether it is done."""
@@ -239,7 +262,7 @@ class Service:
         finally:
             self.active.discard(cancel)
             if not warm_up:
-                self.idle_since = time.perf_counter()
+                self.pauses.answered()
         self.count(chunks[-1])
         return chunks
 
@@ -283,7 +306,7 @@ class Service:
             finally:
                 cancel.set()  # normal end: harmless; disconnect: stops the generation within a cycle
                 self.active.discard(cancel)
-                self.idle_since = time.perf_counter()
+                self.pauses.answered()
 
         return gen()
 

@@ -75,6 +75,9 @@ ASIDE_TOKENS = 1024
 # answer's delivery (the server's event loop, the editor reading it) and the editor's next request would wait on them.
 ANSWER_QUIET = 0.05
 QUIET_TICK_SECONDS = 0.1  # resolution of the quiet before background widening (server.service)
+# The most a tick of a pause's clock counts (server.service.Pauses): a longer one is a stop (SIGSTOP, Ctrl-Z, a
+# debugger, a lockstep benchmark's freeze), which ran no background work.
+PAUSE_TICK_CAP = 0.25
 # Cross-request memory (memory.py): the namespace of the machine's own user (CLI, Python API, a server without keys);
 # a server's API keys each get one of their own. A namespace is also a file name, so it is kept to these characters.
 MEMORY_LOCAL = "local"

@@ -344,7 +344,7 @@ def _ask_pair(p: Peer, c: Cursor, ring: list[dict], fim: Any, think: float, gree
     request on the suggestion, sent the moment the suggestion is shown (llama.vim's s:fim_try_hint, llama.vscode's
     cacheFutureSuggestion in a setTimeout of 0). The think time comes last in a peer's pause, after its frozen
     spell: a server that sizes its background work by the clock then sees the pause end where the user's does.
-    edgespec counts its pause from the SIGCONT that ends the frozen spell (server.service.Pauses.resumed)."""
+    edgespec counts its pauses in the time it ran, not frozen (server.service.Pauses)."""
     time.sleep(think)
     where = f"{Path(c.path).name}:{c.line + 1}:{c.col}"
     asked = (lambda body: {**body, "temperature": 0.0}) if greedy else (lambda body: body)  # --greedy

@@ -4,6 +4,9 @@ request evaluates after the window slid, after an insertion, after a warm-up, an
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import threading
 import time
 
@@ -429,6 +432,21 @@ def test_a_completion_run_counts_no_pause_of_its_own():
         return list(svc.pauses.seen)
 
     assert asyncio.run(scenario()) == []
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="no SIGSTOP on Windows")
+def test_a_pause_read_the_moment_the_process_resumes_does_not_count_the_stop():
+    # A lockstep benchmark's freeze, Ctrl-Z then fg: an aside build's worker runs on the moment the server resumes,
+    # before the pause's ticker does, and sizes its next batch by what it reads; the stopped seconds ran nothing.
+    from edgespec.server.service import Pauses
+
+    pauses = Pauses(lambda _: None)
+    pauses.answered()
+    waker = subprocess.Popen(["sh", "-c", f"sleep 3; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
+    elapsed = pauses.elapsed
+    waker.wait(10)
+    assert elapsed < 1.0, elapsed
 
 
 def test_a_streamed_completion_stops_a_warm_up_that_came_before_its_job():

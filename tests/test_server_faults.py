@@ -139,7 +139,7 @@ def pauses(server: Server) -> tuple[float, float]:
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="no SIGSTOP on Windows")
 def test_a_stopped_spell_is_not_counted_in_the_pause_background_work_is_sized_to(smol):
     # Ctrl-Z then fg, a debugger, a lockstep benchmark's freeze: the stopped seconds ran no background work, and
-    # pauses counted with them would size its batches past the end of the next pause (server.service.Pauses.resumed).
+    # pauses counted with them would size its batches past the end of the next pause (server.service.Pauses).
     body = {"prompt": "hi", "max_tokens": 1}
     assert completion(smol, body).status_code == 200
     before = pauses(smol)

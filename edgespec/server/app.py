@@ -49,7 +49,7 @@ def create_app(settings: Settings, load_engine: Callable[[], Engine]) -> Starlet
                                      allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
     app = Starlette(routes=routes, middleware=middleware, lifespan=svc.lifespan,
                     exception_handlers={HTTPException: http_error, Exception: unexpected})
-    app.state.shutdown, app.state.idle, app.state.resumed = svc.shutdown, svc.idle, svc.pauses.resumed
+    app.state.shutdown, app.state.idle = svc.shutdown, svc.idle
     return app
 
 
@@ -58,13 +58,12 @@ class _Server(uvicorn.Server):
     the old ones) and keeps the socket open, so that a request arriving meanwhile gets a 503 rather than a reset; the
     socket closes once nothing is in flight. A second signal ends the grace period and closes it at once (streams
     still finish properly), a third Ctrl-C forces the exit. Exit status 0: uvicorn itself re-raises a caught SIGTERM
-    after shutting down, so the process ended 143. SIGCONT, the process resumed after a stop, restarts the app's
-    pause since its last answer (Pauses.resumed)."""
+    after shutting down, so the process ended 143."""
 
     def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None], idle: Callable[[], bool],
-                 drain_limit: float, on_resume: Callable[[], None] = lambda: None) -> None:
+                 drain_limit: float) -> None:
         super().__init__(config)
-        self.on_signal, self.idle, self.drain_limit, self.on_resume = on_signal, idle, drain_limit, on_resume
+        self.on_signal, self.idle, self.drain_limit = on_signal, idle, drain_limit
         self.draining_since: float | None = None
 
     def handle_exit(self, sig: int, frame: Any) -> None:
@@ -85,8 +84,6 @@ class _Server(uvicorn.Server):
             yield
             return
         original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-        if hasattr(signal, "SIGCONT"):  # not on Windows
-            original[signal.SIGCONT] = signal.signal(signal.SIGCONT, lambda *_: self.on_resume())
         try:
             yield
         finally:
@@ -98,5 +95,4 @@ def serve(app: Starlette, settings: Settings, log_level: str, grace: float = SHU
     """Run `app` until SIGTERM or Ctrl-C: requests in flight get `grace` seconds, then are cancelled."""
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
                             timeout_graceful_shutdown=SHUTDOWN_BACKSTOP_SECONDS)
-    _Server(config, lambda: app.state.shutdown(grace), app.state.idle, grace + SHUTDOWN_BACKSTOP_SECONDS,
-            app.state.resumed).run()
+    _Server(config, lambda: app.state.shutdown(grace), app.state.idle, grace + SHUTDOWN_BACKSTOP_SECONDS).run()

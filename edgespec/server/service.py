@@ -22,8 +22,8 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 
 from edgespec import errors
-from edgespec.config import (ANSWER_QUIET, BACKGROUND_BATCH, INFILL_CACHE_REUSE, PAUSES_KEPT, QUIET_TICK_SECONDS,
-                             GenerationConfig)
+from edgespec.config import (ANSWER_QUIET, BACKGROUND_BATCH, INFILL_CACHE_REUSE, PAUSE_TICK_CAP, PAUSES_KEPT,
+                             QUIET_TICK_SECONDS, GenerationConfig)
 from edgespec.decoding import costs
 from edgespec.decoding.rules import pieces_of
 from edgespec.server import metrics, schemas
@@ -40,34 +40,56 @@ DISCONNECT_POLL_SECONDS = 0.1
 
 class Pauses:
     """The pauses from an answer someone waited on to the next awaited request, in the time this process ran:
-    background batches are sized to end within them (costs.pause_batch)."""
+    background batches are sized to end within them (costs.pause_batch). While one lasts a thread ticks its clock,
+    each tick counting at most PAUSE_TICK_CAP: a stopped process ran no background work, and a pause counted with
+    the stop would promise batches time the next pause does not hold. A read also counts at most that since the
+    last tick, so a worker that runs on the moment the process resumes, before the ticker, does not see the stop."""
 
     def __init__(self, observe: Callable[[float], None]) -> None:
-        self.since: float | None = None  # when the last answer ended; None while one is awaited
+        self.since: float | None = None  # the clock when the last answer ended; None while one is awaited
         self.seen: collections.deque[float] = collections.deque(maxlen=PAUSES_KEPT)
         self.observe = observe  # each pause that ends (the metrics)
+        self._ran, self._tick = 0.0, time.perf_counter()
+        self._lock = threading.Lock()
+        self._ticker: threading.Thread | None = None
+
+    def _clock(self) -> float:
+        """Seconds this process ran, as ticks count them (under the lock)."""
+        now = time.perf_counter()
+        self._ran += min(now - self._tick, PAUSE_TICK_CAP)
+        self._tick = now
+        return self._ran
+
+    def _ticks(self) -> None:
+        while True:
+            time.sleep(QUIET_TICK_SECONDS)
+            with self._lock:
+                self._clock()
+                if self.since is None:
+                    self._ticker = None
+                    return
 
     def answered(self) -> None:
-        self.since = time.perf_counter()
+        with self._lock:
+            self.since = self._clock()
+            if self._ticker is None:
+                self._ticker = threading.Thread(target=self._ticks, name="pause clock", daemon=True)
+                self._ticker.start()
 
     def awaited(self) -> None:
         """A request someone waits on came: the pause since the last answer ends."""
-        if self.since is not None:
-            self.seen.append(time.perf_counter() - self.since)
-            self.observe(self.seen[-1])
-            self.since = None
-
-    def resumed(self) -> None:
-        """The process runs again after a stop (SIGCONT: Ctrl-Z then fg, a debugger, a lockstep benchmark's freeze):
-        the pause counts from now, as the stopped time ran no background work. Counted with it, the pauses seen
-        would promise batches more time than the next pause holds, and each would be lost."""
-        if self.since is not None:
-            self.since = time.perf_counter()
+        with self._lock:
+            if self.since is None:
+                return
+            pause, self.since = self._clock() - self.since, None
+            self.seen.append(pause)
+        self.observe(pause)
 
     @property
     def elapsed(self) -> float:
-        """Seconds since the last answer (0 while a request runs)."""
-        return 0.0 if self.since is None else time.perf_counter() - self.since
+        """Seconds this pause has run (0 while a request runs)."""
+        with self._lock:
+            return 0.0 if self.since is None else self._clock() - self.since
 
 
 class Service:

@@ -193,7 +193,8 @@ def test_background_batches_are_sized_to_end_within_the_pauses_seen():
     assert pause_batch(0.6, [], rate.seconds, 256, 64) == 64  # nothing seen yet
     assert pause_batch(2.0, editor, rate.seconds, 256, 64) == 64  # past every pause seen: as long as it lasts
     assert pause_batch(0.0, editor, rate.seconds, 20, 64) == 20  # what is left, though not a multiple of the step
-    assert pause_batch(0.95, editor, rate.seconds, 256, 64) == 64  # none fits what is left: as if it will last
+    # None fits what is left by the estimate: the smallest, which loses least and fits where the estimate is dear.
+    assert pause_batch(0.95, editor, rate.seconds, 256, 64) == PAUSE_BATCH_STEP
     assert all(pause_batch(t / 10, editor, rate.seconds, 300, 64) % PAUSE_BATCH_STEP == 0 for t in range(12))
 
 

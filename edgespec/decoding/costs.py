@@ -169,7 +169,8 @@ def pause_batch(elapsed: float, pauses: Sequence[float], seconds: Callable[[int]
     """Tokens for the next batch of work nobody waits on, `elapsed` seconds into a pause: of up to `largest` (and
     `left` to do), the size expected to evaluate the most before the next request, by the `pauses` seen lately that
     outlast this one so far. The request aborts a batch in flight and loses it whole, and an editor's pauses are
-    alike, so a fixed size would lose the end of every pause. `largest` where no pause seen lasted this long."""
+    alike, so a fixed size would lose the end of every pause. `largest` where no pause seen lasted this long; the
+    smallest where none of those holds any size by the estimate: it loses least, and fits where the estimate is dear."""
     longer = [p for p in pauses if p > elapsed]
     top = max(min(largest, left), 1)
     if not longer:
@@ -180,7 +181,8 @@ def pause_batch(elapsed: float, pauses: Sequence[float], seconds: Callable[[int]
         ends = elapsed + PAUSE_MARGIN * seconds(n)
         return n * sum(p >= ends for p in longer)
 
-    return max(sizes, key=lambda n: (expected(n), n))
+    best = max(sizes, key=lambda n: (expected(n), n))
+    return best if expected(best) > 0 else sizes[0]
 
 
 def pause_holds(elapsed: float, pauses: Sequence[float], seconds: float) -> bool:

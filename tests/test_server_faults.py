@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from test_clients import metrics
 from test_server import Server
 
 GRACE = 1.0  # --shutdown-grace of the servers stopped here
@@ -131,9 +132,8 @@ STOPPED = 4.0  # seconds a server is kept stopped (SIGSTOP) between two requests
 
 def pauses(server: Server) -> tuple[float, float]:
     """edgespec_pause_seconds' count and sum from /metrics."""
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return tuple(float(line.split()[1]) for line in text.splitlines()  # type: ignore[return-value]
-                 if line.startswith(("edgespec_pause_seconds_count ", "edgespec_pause_seconds_sum ")))
+    samples = metrics(server)
+    return samples[("edgespec_pause_seconds_count", ())], samples[("edgespec_pause_seconds_sum", ())]
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="no SIGSTOP on Windows")

@@ -261,8 +261,9 @@ def test_prompt_bytes_that_are_not_utf8_read_as_replacement_characters(smollm_pa
     runs = [subprocess.run([*base, "-p", os.fsdecode(bad)], capture_output=True),
             subprocess.run([*base, "-f", str(tmp_path / "p.txt")], capture_output=True),
             subprocess.run([*base[:3], "complete", *base[4:-2], "-q"], input=bad, capture_output=True)]
-    for p in runs:
-        assert p.returncode == 0 and p.stderr == b"", p.stderr
+    for p in runs:  # nothing on stderr but the calibration's note that a busy machine kept it from the cache
+        assert p.returncode == 0 and all(line.startswith(b"WARNING edgespec.decoding.costs: costs of ")
+                                         for line in p.stderr.splitlines()), p.stderr
     same = subprocess.run([*base, "-p", "\x01\x02\ufffd\ufffd ok"], capture_output=True)
     assert json.loads(runs[0].stdout)["tokens"] == json.loads(runs[1].stdout)["tokens"] == \
         json.loads(same.stdout)["tokens"]

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from edgespec.decoding.costs import (PAUSE_BATCH_STEP, AcceptanceTracker, CostTracker, PromptRate, contended,
-                                     pause_batch, pause_holds, time_batches)
+from edgespec.decoding.costs import (PAUSE_BATCH_STEP, RATE_LEAST_TOKENS, AcceptanceTracker, CostTracker, PromptRate,
+                                     contended, pause_batch, pause_holds, time_batches)
 from edgespec.decoding.policy import Costs
 
 # ../shared/FACTS.md: time of a batch of B tokens over a single-token pass, 2-core CPU.
@@ -123,9 +123,21 @@ def test_prompt_rate_prices_new_tokens_on_the_calibrated_curve():
     assert rate.seconds(3) == pytest.approx(0.175)  # between the calibrated sizes
     assert rate.seconds(9) == pytest.approx(0.2 + 0.2 + 0.1)  # full batches of the largest size, then the rest
     assert rate.tokens_within(0.5) == 9 and rate.tokens_within(0.05) == 0
-    rate.observe(4, 0.4)  # prefills run twice the calibrated time: the scale moves towards 2
+    rate.observe(9, 1.0)  # prefills run twice the calibrated time: the scale moves towards 2
     assert 1.0 < rate.scale < 2.0 and rate.tokens_within(0.5) < 9
     assert PromptRate().tokens_within(0.5) is None  # nothing calibrated: no budget can be priced
+
+
+def test_a_prefill_of_a_few_tokens_leaves_the_prompt_rate_as_it_is():
+    """A speculative request's prefill of a token or two is mostly the request's own overhead (in a lockstep session,
+    0.05-0.28 s against 0.033 s calibrated): it scaled every later budget's batches up to 2.4x dear."""
+    rate = PromptRate((1, 8, 32), (0.033, 0.12, 0.3))
+    for _ in range(5):
+        rate.observe(1, 0.2)
+        rate.observe(RATE_LEAST_TOKENS - 1, 1.0)
+    assert rate.scale == 1.0 and rate.tokens_within(0.3) == 32
+    rate.observe(RATE_LEAST_TOKENS, 0.24)  # twice its price: the scale follows
+    assert rate.scale > 1.0 and rate.tokens_within(0.3) < 32
 
 
 def test_a_prompt_batch_is_padded_to_a_timed_size_where_that_costs_less():

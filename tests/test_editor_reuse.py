@@ -611,6 +611,23 @@ def test_an_editors_warm_up_finishes_the_aside_build_before_its_own_chunks(serve
     assert out["timings"]["prompt_n"] > 0, out["timings"]
 
 
+def test_a_warm_up_of_chunks_the_last_completion_took_none_of_leaves_the_slot_be(server):
+    """Where a completion's budget buys none of the extra chunks it is sent (a CPU's 0.5 s buys a few dozen tokens,
+    llama.vim's ring holds a thousand or more), llama.vim's next ring warm-up is aborted by the next completion,
+    having moved the slot's lines after the chunks for that completion to move back (a re-rotation of the cache in
+    the request). So a warm-up of chunks the slot's last completion took none of evaluates nothing there."""
+    ring = [{"filename": "declined.py", "text": "".join(SOURCE[64:70])}]  # chunks no other test sends
+    fim = {**body_line(81), "input_extra": ring, "t_max_prompt_ms": 1}  # a budget that buys no chunk
+    first = httpx.post(server.url + "/infill", json=fim, timeout=300).json()
+    assert first["infill"]["extra_chunks"] == [0, 1], first["infill"]
+    ring = ring + [{"filename": "new.py", "text": "".join(SOURCE[70:72])}]  # the ring as the next warm-up sends it
+    warm = {"input_prefix": "", "input_suffix": "", "input_extra": ring, "prompt": "", "n_predict": 0, "samplers": []}
+    out = httpx.post(server.url + "/infill", json=warm, timeout=300).json()
+    assert out["timings"]["prompt_n"] <= 1 and out["timings"]["shifted_n"] == 0, out["timings"]
+    again = httpx.post(server.url + "/infill", json={**fim, "input_extra": ring}, timeout=300).json()
+    assert again["timings"]["shifted_n"] == 0 and again["timings"]["prompt_n"] <= 2, again["timings"]
+
+
 @pytest.mark.parametrize("shifts, reuse", [(True, 16), (False, 16), (True, 0)])
 def test_once_the_slot_holds_an_aside_build_the_lines_before_it_go_in_front(qwen_draft_path, shifts, reuse):
     """A first aside build is narrow, so it is ready within a few of an editor's pauses; once the slot has taken it,

@@ -40,6 +40,9 @@ CACHE_VERSION = 9  # 9: PROMPT_BATCHES timed too; 8: an AMX build repacks its we
 # Background batch sizes a pause is planned in (pause_batch), and the slack on a batch's predicted time: its cost
 # varies between runs, and a batch that overruns the pause is lost.
 PAUSE_BATCH_STEP = 8
+# Fewest new tokens a prefill must evaluate to correct the prompt rate's scale: below it a prefill's time is mostly
+# the request's own overhead and noise (a thawed process's first pass), which scaled every batch up to 2.4x dear.
+RATE_LEAST_TOKENS = 8
 PAUSE_MARGIN = 1.15
 # Cores other processes may keep busy on this process's CPUs, past those its threads leave free, for a timing to be
 # cached: one taken while a build or a benchmark ran would price every later run's prompts as dear as then.
@@ -137,16 +140,17 @@ class PromptRate:
         return size if cost < _interpolate(b, t, n) else n
 
     def observe(self, tokens: int, seconds: float, shifted: bool = False) -> None:
-        """A prefill of `tokens` new tokens took `seconds`: the scale follows it, at most 2x per observation; one
-        that `shifted` the cache teaches the re-rotation's cost instead (what it took past the tokens' price), also
-        at most 2x: a slow spell over a long prompt is the tokens' more than the re-rotation's."""
+        """A prefill of `tokens` new tokens took `seconds`: the scale follows it, at most 2x per observation, where it
+        evaluated at least RATE_LEAST_TOKENS; one that `shifted` the cache teaches the re-rotation's cost instead
+        (what it took past the tokens' price), also at most 2x: a slow spell over a long prompt is the tokens' more
+        than the re-rotation's."""
         if seconds <= 0 or not self.known:
             return
         if shifted:
             past, old = max(0.0, seconds - self.seconds(tokens)), self.shift
             self.shift = past if old is None else self.decay * old + (1 - self.decay) * min(max(past, old / 2), old * 2)
             return
-        if tokens <= 0:
+        if tokens < RATE_LEAST_TOKENS:
             return
         ratio = seconds / (self.seconds(tokens) / self.scale)
         self.scale = self.decay * self.scale + (1 - self.decay) * min(max(ratio, self.scale / 2), self.scale * 2)

@@ -29,6 +29,10 @@ class LlamaRoutes:
         self.svc = svc
         # Per slot: the editor's request expected after the last answer there, and the prompt it came from.
         self.follows: dict[int, tuple[Continuation, InfillPrompt]] = {}
+        # Per slot: the extra chunks the last budgeted completion there was sent and took none of. An editor's warm-up
+        # of them there moves the slot's lines after them and is aborted by the next request, whose budget takes no
+        # chunk not cached, so that request moves the lines back: such a warm-up leaves the slot be.
+        self.declined: dict[int, frozenset[tuple[str, str]]] = {}
 
     def routes(self) -> list[Route]:
         return [Route("/completion", guard(self.completion), methods=["POST"]),
@@ -51,7 +55,8 @@ class LlamaRoutes:
         t_max_prompt_ms against what the slot holds (engine.infill). The request an editor sends as soon as it shows
         the answer (the answer taken as typed: prompts.fim.accepted) is served by the prompt and tokens the answer
         left in the slot (prompts.fim.continuation), or else its prompt is evaluated in the background; after a pause
-        the context the budget cut is widened."""
+        the context the budget cut is widened. A warm-up of chunks the slot's last completion took none of leaves the
+        slot be (`declined`)."""
         arrival = time.perf_counter()
         body = await self.svc.body_of(request)
         eng = self.svc.engine()
@@ -68,6 +73,11 @@ class LlamaRoutes:
         ip = follow or eng.infill_prompt(held, room, budget, c.slot, c.cache_reuse, layout, warm_up=c.max_tokens == 0)
         if c.max_tokens:  # this generation leaves something else in the slot
             self.follows.pop(ip.slot, None)
+            self.declined[ip.slot] = frozenset(() if budget is None or ip.kept.extra_chunks[0] else infill.extra)
+        elif (self.declined.get(ip.slot, frozenset()).intersection(infill.extra)
+              and (cached := eng.slots[ip.slot].cache.tokens)):  # a warm-up that leaves the slot be: its own prompt
+            kept = dataclasses.replace(ip.kept, extra_chunks=(0, len(infill.extra)))
+            ip = dataclasses.replace(ip, tokens=list(cached), new_tokens=0, kept=kept)
         due = arrival + budget + c.time_limit + ANSWER_SLACK if budget is not None and c.time_limit else None
         req = dataclasses.replace(req, config=dataclasses.replace(c, slot=ip.slot, deadline=due, heal=heal))
         report = {"truncated": ip.kept.cut, "infill": {"layout": layout, "budget_tokens": ip.budget_tokens,

@@ -140,6 +140,20 @@ def test_a_prefill_of_a_few_tokens_leaves_the_prompt_rate_as_it_is():
     assert rate.scale > 1.0 and rate.tokens_within(0.3) < 32
 
 
+def test_batches_nobody_waits_on_are_priced_on_their_own_scale():
+    """A request's prefill also pays for the request around it, an aside build's batch is a decode alone (and a curve
+    cached from a busy machine priced those batches 1.5x dear): each follows its own observations."""
+    rate = PromptRate((1, 16, 64), (0.1, 0.19, 0.6))
+    for _ in range(20):
+        rate.observe(16, 0.38)  # requests' prefills at twice the curve
+        rate.observe_background(64, 0.4)  # the aside's batches at two thirds of it
+    assert rate.background_seconds(64) == pytest.approx(0.4, rel=0.05)
+    assert rate.seconds(16) == pytest.approx(0.38, rel=0.05)
+    before = rate.background
+    rate.observe_background(RATE_LEAST_TOKENS - 1, 5.0)  # a batch of a few tokens says little
+    assert rate.background == before
+
+
 def test_a_prompt_batch_is_padded_to_a_timed_size_where_that_costs_less():
     # The 1.5B target's prompt batches on the 2-core AVX-512 Xeon, repacked weights (docs/bench/prompt-padding.md):
     # a size one short of 4, 16 or 32 costs more than that size.

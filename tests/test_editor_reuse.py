@@ -449,6 +449,31 @@ def test_a_pause_read_the_moment_the_process_resumes_does_not_count_the_stop():
     assert elapsed < 1.0, elapsed
 
 
+def test_an_aside_builds_batches_are_timed_in_the_time_the_server_ran():
+    """Each batch of an aside build is timed for the background rate (decoding.costs.PromptRate.background), from its
+    sizing to the next one's; a stop meanwhile (a lockstep benchmark's freeze, Ctrl-Z) ran nothing and counts at
+    most a tick, so it does not price the next batches dear."""
+    import types
+
+    from edgespec.decoding.costs import PromptRate
+    from edgespec.server.service import Pauses, Service
+
+    rate = PromptRate((1, 16, 64), (0.1, 0.19, 0.6))
+    svc = types.SimpleNamespace(loaded=types.SimpleNamespace(prompt_rate=rate), pauses=Pauses(lambda _: None))
+    svc.pauses.answered()
+    batch = Service.background_batches(svc)
+    n = batch(1024)
+    time.sleep(rate.seconds(n) / 2)  # the batch ran in half its price
+    n = batch(1024 - n)
+    assert rate.background < 1.0 and rate.scale == 1.0
+    before = rate.background
+    waker = subprocess.Popen(["sh", "-c", f"sleep 3; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)  # this batch held up by a 3 s stop
+    waker.wait(10)
+    batch(1024 - 2 * n)
+    assert rate.background < before, (rate.background, before)
+
+
 def test_a_streamed_completion_stops_a_warm_up_that_came_before_its_job():
     # As Service.run: a warm-up that registered its evaluation after the route's preempt would take the engine first
     # and hold the stream back for all its chunks; the stream preempts again as its job starts.

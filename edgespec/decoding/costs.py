@@ -115,6 +115,9 @@ class PromptRate:
         self.batches, self.seconds_of = tuple(batches), tuple(seconds)
         self.decay, self.scale = decay, 1.0
         self.shift = shift  # seconds of one re-rotation: timed (engine.slots), else the first prefill with one
+        # The scale of batches nobody waits on (an aside build's), followed apart: a request's prefill also pays for
+        # the request around it, and requests' scale priced such batches 1.5x dear (docs/bench/editor.md).
+        self.background = 1.0
 
     @property
     def known(self) -> bool:
@@ -148,12 +151,24 @@ class PromptRate:
             return
         if shifted:
             past, old = max(0.0, seconds - self.seconds(tokens)), self.shift
-            self.shift = past if old is None else self.decay * old + (1 - self.decay) * min(max(past, old / 2), old * 2)
+            self.shift = past if old is None else self._followed(old, past)
             return
-        if tokens < RATE_LEAST_TOKENS:
-            return
-        ratio = seconds / (self.seconds(tokens) / self.scale)
-        self.scale = self.decay * self.scale + (1 - self.decay) * min(max(ratio, self.scale / 2), self.scale * 2)
+        if tokens >= RATE_LEAST_TOKENS:
+            self.scale = self._followed(self.scale, seconds / (self.seconds(tokens) / self.scale))
+
+    def background_seconds(self, tokens: int) -> float:
+        """Predicted seconds for a batch of `tokens` evaluated while nobody waits."""
+        return self.seconds(tokens) / self.scale * self.background
+
+    def observe_background(self, tokens: int, seconds: float) -> None:
+        """A batch of `tokens` evaluated while nobody waits took `seconds` (of the time the process ran): its scale
+        follows it as `observe`'s does."""
+        if seconds > 0 and self.known and tokens >= RATE_LEAST_TOKENS:
+            self.background = self._followed(self.background, seconds / (self.seconds(tokens) / self.scale))
+
+    def _followed(self, old: float, ratio: float) -> float:
+        """A scale after one more observation of `ratio`, which moves it at most 2x."""
+        return self.decay * old + (1 - self.decay) * min(max(ratio, old / 2), old * 2)
 
     def tokens_within(self, seconds: float, shifted: bool = False) -> int | None:
         """The most new prompt tokens predicted to fit in `seconds`, after moving cached chunks when `shifted`

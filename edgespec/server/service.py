@@ -85,6 +85,11 @@ class Pauses:
             self.seen.append(pause)
         self.observe(pause)
 
+    def ran(self) -> float:
+        """Seconds this process ran, by this clock: a stop counts at most PAUSE_TICK_CAP."""
+        with self._lock:
+            return self._clock()
+
     @property
     def elapsed(self) -> float:
         """Seconds this pause has run (0 while a request runs)."""
@@ -223,11 +228,10 @@ class Service:
 
         self._background(cancel, self.submit(work), awaited=False)
 
-    def background_batch(self, left: int) -> int:
-        """Tokens for the next batch of an aside build, `left` to evaluate: sized to end within this pause."""
+    def background_batches(self) -> Callable[[int], int]:
+        """For one aside build: tokens for its next batch, `left` to evaluate, sized to end within this pause."""
         assert self.loaded is not None  # not engine(): a build runs on while a draining server cancels it
-        return costs.pause_batch(self.pauses.elapsed, tuple(self.pauses.seen), self.loaded.prompt_rate.seconds, left,
-                                 BACKGROUND_BATCH)
+        return _timed_batches(self.loaded.prompt_rate, self.pauses)
 
     def pause_room(self, seconds: float) -> bool:
         """Whether this pause is expected to hold `seconds` more of work that cannot be aborted."""
@@ -362,6 +366,23 @@ def _quiet_for(seconds: float, cancel: threading.Event) -> bool:
         if cancel.wait(QUIET_TICK_SECONDS):
             return True
     return cancel.is_set()
+
+
+def _timed_batches(rate: costs.PromptRate, pauses: Pauses) -> Callable[[int], int]:
+    """A build's batch sizes, each sized to end within the pause (costs.pause_batch). Each call times the batch
+    before it (all a build does between them) for `rate`'s background scale, in the time the process ran: a batch
+    that a stop (a lockstep benchmark's freeze) held up would price the next ones dear."""
+    last: tuple[int, float] | None = None
+
+    def batch(left: int) -> int:
+        nonlocal last
+        if last is not None:
+            rate.observe_background(last[0], pauses.ran() - last[1])
+        n = costs.pause_batch(pauses.elapsed, tuple(pauses.seen), rate.background_seconds, left, BACKGROUND_BATCH)
+        last = (n, pauses.ran())
+        return n
+
+    return batch
 
 
 def _log_failure(job: asyncio.Future) -> None:

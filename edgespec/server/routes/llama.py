@@ -71,13 +71,7 @@ class LlamaRoutes:
         follow, lead = self._follow(infill, c) if c.max_tokens else (None, "")
         held, heal = healed(infill, layout) if heals and not follow else (infill, "")
         ip = follow or eng.infill_prompt(held, room, budget, c.slot, c.cache_reuse, layout, warm_up=c.max_tokens == 0)
-        if c.max_tokens:  # this generation leaves something else in the slot
-            self.follows.pop(ip.slot, None)
-            self.declined[ip.slot] = frozenset(() if budget is None or ip.kept.extra_chunks[0] else infill.extra)
-        elif (self.declined.get(ip.slot, frozenset()).intersection(infill.extra)
-              and (cached := eng.slots[ip.slot].cache.tokens)):  # a warm-up that leaves the slot be: its own prompt
-            kept = dataclasses.replace(ip.kept, extra_chunks=(0, len(infill.extra)))
-            ip = dataclasses.replace(ip, tokens=list(cached), new_tokens=0, kept=kept)
+        ip = self._in_slot(ip, infill, budget, c.max_tokens == 0)
         due = arrival + budget + c.time_limit + ANSWER_SLACK if budget is not None and c.time_limit else None
         req = dataclasses.replace(req, config=dataclasses.replace(c, slot=ip.slot, deadline=due, heal=heal))
         report = {"truncated": ip.kept.cut, "infill": {"layout": layout, "budget_tokens": ip.budget_tokens,
@@ -108,14 +102,28 @@ class LlamaRoutes:
             kept = not lead and self._keep(held, heal + answer, ip, chunks, layout)
             # the next requests' wider context: built aside, afresh, first; widened in place only without an aside
             build, widen = ip.aside(), wider if eng.pool.aside is None else None
-            aside = None if build is None else lambda cancel: eng.build_aside(build, cancel, self.svc.background_batch,
-                                                                             self.svc.pause_room)
+            aside = None if build is None else lambda cancel: eng.build_aside(
+                build, cancel, self.svc.background_batches(), self.svc.pause_room)
             self.svc.warm(widen, req.config, WIDEN_DELAY, now=lambda: () if kept or lead else ahead(answer),
                           aside=aside)
 
         return await self.respond(request, ip.tokens, req, "the infill prompt ('input_prefix', 'input_suffix', "
                                                            "'prompt', 'input_extra')", infill=True, report=report,
                                   after=after, lead=lead)
+
+    def _in_slot(self, ip: InfillPrompt, infill: Infill, budget: float | None, warm_up: bool) -> InfillPrompt:
+        """`ip` as it runs in its slot. A completion leaves something else there (no follow-up kept) and notes the
+        chunks it took none of where budgeted (`declined`); a warm-up of any of those leaves the slot be: its prompt
+        is what the slot holds."""
+        if not warm_up:
+            self.follows.pop(ip.slot, None)
+            self.declined[ip.slot] = frozenset(() if budget is None or ip.kept.extra_chunks[0] else infill.extra)
+            return ip
+        cached = self.svc.engine().slots[ip.slot].cache.tokens
+        if not (cached and self.declined.get(ip.slot, frozenset()).intersection(infill.extra)):
+            return ip
+        kept = dataclasses.replace(ip.kept, extra_chunks=(0, len(infill.extra)))
+        return dataclasses.replace(ip, tokens=list(cached), new_tokens=0, kept=kept)
 
     def _keep(self, held: Infill, written: str, ip: InfillPrompt, chunks: list[Chunk], layout: str) -> bool:
         """Keep the prompt that serves the editor's request after this answer (`chunks`, of the prompt `ip` laid out

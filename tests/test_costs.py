@@ -141,8 +141,8 @@ def test_a_prefill_of_a_few_tokens_leaves_the_prompt_rate_as_it_is():
 
 
 def test_batches_nobody_waits_on_are_priced_on_their_own_scale():
-    """A request's prefill also pays for the request around it, an aside build's batch is a decode alone (and a curve
-    cached from a busy machine priced those batches 1.5x dear): each follows its own observations."""
+    """A request's prefill also pays for the request around it, an aside build's batch is a decode alone (requests'
+    scale priced those batches 1.5x dear in a lockstep session): each follows its own observations."""
     rate = PromptRate((1, 16, 64), (0.1, 0.19, 0.6))
     for _ in range(20):
         rate.observe(16, 0.38)  # requests' prefills at twice the curve

@@ -41,7 +41,7 @@ CACHE_VERSION = 9  # 9: PROMPT_BATCHES timed too; 8: an AMX build repacks its we
 # varies between runs, and a batch that overruns the pause is lost.
 PAUSE_BATCH_STEP = 8
 # Fewest new tokens a prefill must evaluate to correct the prompt rate's scale: below it a prefill's time is mostly
-# the request's own overhead and noise (a thawed process's first pass), which scaled every batch up to 2.4x dear.
+# the request's own overhead, not its tokens', and scaled every batch up to 2.4x dear (docs/bench/editor.md).
 RATE_LEAST_TOKENS = 8
 PAUSE_MARGIN = 1.15
 # Cores other processes may keep busy on this process's CPUs, past those its threads leave free, for a timing to be

@@ -125,12 +125,15 @@ class PromptRate:
 
     def seconds(self, tokens: int, shifted: bool = False) -> float:
         """Predicted seconds for a prefill of `tokens` new tokens (0 for none), after moving cached chunks."""
-        extra = (self.shift or 0.0) if shifted else 0.0
+        return ((self.shift or 0.0) if shifted else 0.0) + self.scale * self._curve(tokens)
+
+    def _curve(self, tokens: int) -> float:
+        """Seconds the calibrated curve gives `tokens` new tokens, unscaled (0 for none or nothing calibrated)."""
         if tokens <= 0 or not self.known:
-            return extra
+            return 0.0
         b, t = self.batches, self.seconds_of
         full, rest = divmod(tokens, b[-1])
-        return extra + self.scale * (full * t[-1] + (_interpolate(b, t, self.padded(rest)) if rest else 0.0))
+        return full * t[-1] + (_interpolate(b, t, self.padded(rest)) if rest else 0.0)
 
     def padded(self, n: int) -> int:
         """How many tokens to evaluate `n` new prompt tokens as: the timed size of at least n that costs least, where
@@ -154,17 +157,17 @@ class PromptRate:
             self.shift = past if old is None else self._followed(old, past)
             return
         if tokens >= RATE_LEAST_TOKENS:
-            self.scale = self._followed(self.scale, seconds / (self.seconds(tokens) / self.scale))
+            self.scale = self._followed(self.scale, seconds / self._curve(tokens))
 
     def background_seconds(self, tokens: int) -> float:
         """Predicted seconds for a batch of `tokens` evaluated while nobody waits."""
-        return self.seconds(tokens) / self.scale * self.background
+        return self.background * self._curve(tokens)
 
     def observe_background(self, tokens: int, seconds: float) -> None:
         """A batch of `tokens` evaluated while nobody waits took `seconds` (of the time the process ran): its scale
         follows it as `observe`'s does."""
         if seconds > 0 and self.known and tokens >= RATE_LEAST_TOKENS:
-            self.background = self._followed(self.background, seconds / (self.seconds(tokens) / self.scale))
+            self.background = self._followed(self.background, seconds / self._curve(tokens))
 
     def _followed(self, old: float, ratio: float) -> float:
         """A scale after one more observation of `ratio`, which moves it at most 2x."""

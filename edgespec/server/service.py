@@ -376,10 +376,11 @@ def _timed_batches(rate: costs.PromptRate, pauses: Pauses) -> Callable[[int], in
 
     def batch(left: int) -> int:
         nonlocal last
+        now = pauses.ran()
         if last is not None:
-            rate.observe_background(last[0], pauses.ran() - last[1])
+            rate.observe_background(last[0], now - last[1])
         n = costs.pause_batch(pauses.elapsed, tuple(pauses.seen), rate.background_seconds, left, BACKGROUND_BATCH)
-        last = (n, pauses.ran())
+        last = (n, now)
         return n
 
     return batch

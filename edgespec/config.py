@@ -212,6 +212,9 @@ class GenerationConfig:
     # allows. None: no such bound.
     deadline: float | None = None
     min_indent: int = 0  # llama.cpp's n_indent (text.IndentLimit)
+    # Lines that end the answer where a line after its first repeats one (text.RepeatLimit): an infill's next lines
+    # below the cursor (prompts.fim.next_lines). (): none.
+    repeats: tuple[str, ...] = ()
     proposer: str | None = None  # this generation's proposer ("none" turns speculation off); None: the engine's
     k: int | None = None  # most tokens per cycle for this generation, at most the engine's; None: the engine's
     slot: int | None = None  # the KV slot to run in (llama.cpp's id_slot); None: the best free one

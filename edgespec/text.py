@@ -103,3 +103,41 @@ class IndentLimit:
     def flush(self) -> str:
         out, self._pending = self._pending or "", None
         return out
+
+
+class RepeatLimit:
+    """An infill's end where the answer runs into the text after it: a line after the first that is, blanks aside,
+    one of `lines` (the next lines below the cursor, which the file holds already) ends the generation before it.
+    A line is held back until its end decides it, so the repeat is never sent. The editors drop such answers
+    themselves (llama.vim's fim_render, Continue's stopAtSimilarLine), after waiting for them."""
+
+    def __init__(self, lines: Sequence[str]) -> None:
+        self.lines = frozenset(s for line in lines if (s := line.strip()))
+        self._first = True  # in the answer's first line, which goes on from the cursor: never a repeat
+        self._held = ""  # the start of the line under way
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        if not self.lines or self.stopped:
+            return "" if self.stopped else text
+        out = []
+        while text:
+            line, newline, text = text.partition("\n")
+            if self._first:
+                out.append(line + newline)
+                self._first = not newline
+                continue
+            self._held += line
+            if not newline:
+                break
+            if self._held.strip() in self.lines:
+                self._held, self.stopped = "", True
+                break
+            out.append(self._held + newline)
+            self._held = ""
+        return "".join(out)
+
+    def flush(self) -> str:
+        """The end of generation: the line under way, unless it too is a repeat."""
+        held, self._held = self._held, ""
+        return "" if self.stopped or held.strip() in self.lines else held

@@ -730,3 +730,25 @@ def test_a_typed_word_is_healed_and_the_answer_spells_it_in_the_models_own_token
     assert (out["infill"]["layout"], plain["infill"]["layout"]) == ("middle", "prefix")
     bad = httpx.post(server.url + "/infill", json={**fim, "token_healing": "yes"}, timeout=60)
     assert bad.status_code == 400 and "'token_healing' must be true or false" in bad.json()["error"]["message"]
+
+
+def test_an_answer_ends_before_a_line_that_repeats_the_text_below_the_cursor(server):
+    """Where the prompt holds little of the text below the cursor (here llama.cpp's suffix size, which ends inside
+    the second line below), the model writes on past the cursor line. Once a line it writes is one of the lines the
+    file holds just below (prompts.fim.next_lines), the answer ends before it: the editor would drop it, after
+    waiting for it. Lines below that differ past what the prompt holds let the same prompt write on."""
+    rows = [f"row_{i} = ('the quick brown fox number {i} jumps over the lazy dog, then the dog wakes up, chases "
+            f"the fox around the farm and back again until both of them fall asleep in the sun')" for i in range(40)]
+    fim = {"input_prefix": "".join(r + "\n" for r in rows[:20]), "prompt": rows[20], "n_predict": 128,
+           "temperature": 0, "cache_prompt": False}
+    file = httpx.post(server.url + "/infill", json={**fim, "input_suffix": "\n" + "".join(r + "\n" for r in rows[21:])},
+                      timeout=300).json()
+    changed = "\n" + rows[21] + "\n" + "".join(r + "  # changed\n" for r in rows[22:])
+    other = httpx.post(server.url + "/infill", json={**fim, "input_suffix": changed}, timeout=300).json()
+    held = file["infill"]["suffix_tokens"][0]
+    assert held == other["infill"]["suffix_tokens"][0] < len(tokens(server, rows[21] + "\n" + rows[22]))
+    written = other["content"].split("\n")
+    k = next((k for k in range(1, len(written) - 1) if written[k].strip()), None)
+    assert k is not None and written[k] in rows[21:24], other  # a line of the file below, whole
+    assert file["content"] == "".join(line + "\n" for line in written[:k]), (file, other)
+    assert file["stop_type"] == "limit" and file["timings"]["predicted_n"] < other["timings"]["predicted_n"]

@@ -9,8 +9,9 @@ import pytest
 from edgespec.decoding import reuse
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
 from edgespec.gguf import Vocab
-from edgespec.prompts.fim import (CUT_STEP, HEAL_MAX_CHARS, NEAR_LINES, SUFFIX_LINES, SUFFIX_SHARE, TAIL_STEP,
-                                  FimPrompt, Infill, Take, accepted, continuation, cursor_anchor, healed)
+from edgespec.prompts.fim import (CUT_STEP, HEAL_MAX_CHARS, NEAR_LINES, REPEAT_LINES, SUFFIX_LINES, SUFFIX_SHARE,
+                                  TAIL_STEP, FimPrompt, Infill, Take, accepted, continuation, cursor_anchor, healed,
+                                  next_lines)
 
 PRE, SUF, MID, REP, SEP = 1001, 1002, 1003, 1004, 1005
 QWEN_LIKE = Vocab(n_tokens=2000, type=2, bos=None, eos=1, add_bos=False, fim_pre=PRE, fim_suf=SUF,
@@ -400,3 +401,11 @@ def test_a_healed_answer_serves_the_editors_next_request_with_the_models_own_tok
     cont = continuation(held, heal + answer, prompt, generated, PLAIN, lambda t: chr(t).encode())
     assert cont is not None and cont.tokens == prompt + generated
     assert cont.infill == accepted(at, answer) and cont.serves(accepted(at, answer))
+
+
+def test_the_lines_an_answer_ends_before_are_the_first_nonblank_ones_below_the_cursor_line():
+    # The cursor line's rest is never one (the answer writes it), nor a short line that recurs in new code.
+    infill = Infill("def f(x):\n", " + 1\n\n    }\n    y = g(x)\n\n        return y\n    z = 3\n", "    x")
+    assert next_lines(infill) == ("y = g(x)", "return y")
+    assert next_lines(replace(infill, suffix="\n")) == ()
+    assert len(next_lines(Infill("", "\n" + "".join(f"line {i}\n" for i in range(9))))) == REPEAT_LINES

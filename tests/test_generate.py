@@ -267,3 +267,17 @@ def test_prompt_bytes_that_are_not_utf8_read_as_replacement_characters(smollm_pa
     same = subprocess.run([*base, "-p", "\x01\x02\ufffd\ufffd ok"], capture_output=True)
     assert json.loads(runs[0].stdout)["tokens"] == json.loads(runs[1].stdout)["tokens"] == \
         json.loads(same.stdout)["tokens"]
+
+
+def test_a_line_that_repeats_one_of_the_given_lines_ends_the_generation_before_it(smollm_path):
+    """An infill's answer ends before a line that repeats the text below the cursor (GenerationConfig.repeats): the
+    lines before it go out whole, the repeated line and what follows do not, and no token is generated past it."""
+    with Engine(smollm_path, proposer="none", load=LoadConfig(n_ctx=512)) as e:
+        prompt = "Items:\n- apples\n- pears\n- plums\n"
+        free = e.generate(prompt, GenerationConfig(max_tokens=32))
+        lines = free.text.split("\n")
+        k = next(k for k in range(1, len(lines) - 1) if lines[k] not in lines[:k])  # a line the free answer repeats
+        stopped = e.generate(prompt, GenerationConfig(max_tokens=32, repeats=(f"  {lines[k]} ",)))
+        assert stopped.text == "".join(line + "\n" for line in lines[:k]) and stopped.finish_reason == "length"
+        assert stopped.tokens == free.tokens[:len(stopped.tokens)] and len(stopped.tokens) < len(free.tokens)
+        assert e.target.detokenize(stopped.tokens).endswith(lines[k] + "\n")  # decided at the repeat's newline

@@ -2,7 +2,7 @@
 
 import pytest
 
-from edgespec.text import IndentLimit, TextStream
+from edgespec.text import IndentLimit, RepeatLimit, TextStream
 
 
 def test_multibyte_character_split_across_tokens_is_held():
@@ -45,3 +45,18 @@ def test_indent_limit_is_llama_cpps_n_indent(pieces, n, out, stopped):
     g = IndentLimit(n)
     text = "".join(g.push(p) for p in pieces) + g.flush()
     assert (text, g.stopped) == (out, stopped)
+
+
+@pytest.mark.parametrize("pieces, lines, out, stopped", [
+    (["x = 1\n", "    return", " total\n", "more"], ["return total"], "x = 1\n", True),  # blanks aside
+    (["return total\n", "y\n"], ["return total"], "return total\ny\n", False),  # the first line goes on
+    (["\n", "foo()", "\nbar()\n"], ["bar()"], "\nfoo()\n", True),  # decided at its newline, not before
+    (["a\n", "b = 2"], ["b = 2"], "a\n", False),  # the line under way at the end: a repeat too
+    (["a\n", "b = "], ["b = 2"], "a\nb = ", False),  # a line's start is not a repeat
+    (["a\n\n", "b\n"], ["", "  "], "a\n\nb\n", False),  # blank lines are never repeats
+    (["a\n", "b\n"], [], "a\nb\n", False),  # none: off
+])
+def test_a_line_that_repeats_the_text_below_ends_the_answer_before_it(pieces, lines, out, stopped):
+    r = RepeatLimit(lines)
+    text = "".join(r.push(p) for p in pieces) + r.flush()
+    assert (text, r.stopped) == (out, stopped)

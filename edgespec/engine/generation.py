@@ -22,7 +22,7 @@ from edgespec.memory import PROMPT_TAIL, Memory
 from edgespec.proposers import Proposer
 from edgespec.proposers.auto import AutoProposer
 from edgespec.proposers.draft import DraftProposer
-from edgespec.text import IndentLimit, TextStream
+from edgespec.text import IndentLimit, RepeatLimit, TextStream
 
 
 @dataclass
@@ -119,7 +119,7 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
     config = run.config
     for drafter in _drafters(slot.proposer):
         drafter.cache_reuse, drafter.reuse_anchor = config.cache_reuse, run.anchor
-    text, indent = TextStream(run.stop), IndentLimit(config.min_indent)
+    text, limits = TextStream(run.stop), (IndentLimit(config.min_indent), RepeatLimit(config.repeats))
     lines = WholeLines(config.time_limit is not None)
     finish: FinishReason = "length"
     steps = run.turns(loop.steps(slot.cache, proposer_for(slot, config), prompt, config, stats, run.cancel,
@@ -140,21 +140,21 @@ def chunks(slot: Slot, prompt: list[int], run: Run) -> Iterator[Chunk]:
                 if healed:
                     piece, healed = piece[len(healed):], healed[len(piece):]
                 out += _filtered(lines.push(Token(t, from_draft[i], None if probs is None else probs[i], piece)),
-                                 text, indent)
-                if text.stopped or indent.stopped or _late(config, now, cycle, t_first, piece):
+                                 text, limits)
+                if text.stopped or _limited(limits) or _late(config, now, cycle, t_first, piece):
                     ended = "stop" if text.stopped else "length"
                     break
             else:
                 if lines.held and config.time_limit is not None and now - t_first > config.time_limit:
                     ended = "length"  # the line under way at the limit, after whole lines: dropped
             if ended is None and done is not None:  # the loop's end (end of text, max_tokens): the line goes out
-                out += _filtered(lines.release(), text, indent)
+                out += _filtered(lines.release(), text, limits)
             drafted = sum(len(tk.text) for tk in out if tk.from_draft)
             chunk = Chunk("".join(tk.text for tk in out), [tk.id for tk in out], [tk.from_draft for tk in out],
                           logprobs=None if probs is None else [tk.prob for tk in out], draft_chars=drafted)
             if (ended or done) is not None:
                 finish = ended or done
-                chunk.text += indent.push(text.flush()) + indent.flush()
+                chunk.text += _through(limits, text.flush(), flush=True)
                 yield chunk
                 break
             yield chunk
@@ -174,10 +174,22 @@ def _late(config: GenerationConfig, now: float, cycle: float, t_first: float, pi
                                   b"\n" in piece and now - t_first > limit)
 
 
-def _filtered(tokens: list[Token], text: TextStream, indent: IndentLimit) -> list[Token]:
-    """`tokens` with what the text filters release for each (stop strings, indentation); none after an end they
-    find."""
-    return [tk._replace(text=indent.push(text.push(tk.piece))) for tk in tokens if not (text.stopped or indent.stopped)]
+def _filtered(tokens: list[Token], text: TextStream, limits: Sequence[IndentLimit | RepeatLimit]) -> list[Token]:
+    """`tokens` with what the text filters release for each (stop strings, indentation, repeats); none after an end
+    they find."""
+    return [tk._replace(text=_through(limits, text.push(tk.piece))) for tk in tokens
+            if not (text.stopped or _limited(limits))]
+
+
+def _through(limits: Sequence[IndentLimit | RepeatLimit], text: str, flush: bool = False) -> str:
+    """What the line filters release of `text`, in order; with `flush`, all they hold at the end too."""
+    for limit in limits:
+        text = limit.push(text) + (limit.flush() if flush else "")
+    return text
+
+
+def _limited(limits: Sequence[IndentLimit | RepeatLimit]) -> bool:
+    return any(limit.stopped for limit in limits)
 
 
 class Token(NamedTuple):

@@ -48,6 +48,11 @@ TAIL_STEP = 16
 # Characters at a time a long line next to the cursor is cut by (FimPrompt.cut_long): whole steps from the typed
 # text's start and the suffix's, which stay while the user types, so the next request finds the same cut cached.
 CUT_STEP = 64
+# An answer ends before a line that repeats one of the first REPEAT_LINES non-blank lines below the cursor line
+# (text.RepeatLimit), lines of REPEAT_MIN_CHARS or more: a `}` or an `end` recurs in new code. Without the rule the
+# editor's speculative request ran on to its t_max_predict_ms, writing lines the file holds (docs/bench/editor.md).
+REPEAT_LINES = 3
+REPEAT_MIN_CHARS = 4
 HELD_LINES = 8  # lines at the start of a cached prompt's lines that locate it in a request's (lines_start)
 ANCHOR_SCAN = 512  # tokens before the cursor searched for the line before it (cursor_anchor); a longer line ends it
 # The longest word healed (the answer spells it again, a token at a time): past it, none is.
@@ -347,6 +352,12 @@ def _suffix(fim: FimPrompt, infill: Infill, step: int, room: int, base: int, max
     if top <= least + 1 or (one := with_lines(least + 1)) is None:  # a CPU's usual answer
         return least, built
     return _bisect(least + 2, top - 1, with_lines, (least + 1, one))
+
+
+def next_lines(infill: Infill) -> tuple[str, ...]:
+    """The lines below `infill`'s cursor line an answer ends before repeating (REPEAT_LINES, REPEAT_MIN_CHARS)."""
+    below = (s for line in infill.suffix.splitlines()[1:] if (s := line.strip()))
+    return tuple(s for _, s in zip(range(REPEAT_LINES), below) if len(s) >= REPEAT_MIN_CHARS)
 
 
 def lines_start(lines: Sequence[str], held: str) -> int | None:

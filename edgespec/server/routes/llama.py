@@ -13,7 +13,7 @@ from starlette.routing import Route
 
 from edgespec.config import ANSWER_SLACK, LLAMA_N_PREDICT, LLAMA_TEMPERATURE, WIDEN_DELAY
 from edgespec.errors import InvalidRequestError
-from edgespec.prompts.fim import Continuation, Infill, accepted, continuation, healed
+from edgespec.prompts.fim import Continuation, Infill, accepted, continuation, healed, next_lines
 from edgespec.server import logprobs, schemas
 from edgespec.server.http import KEEPALIVE, SSE_HEADERS, guard, sse, sse_guard
 from edgespec.server.service import Service, check_request, in_namespace, prompt_of, request_of, spec
@@ -56,7 +56,7 @@ class LlamaRoutes:
         the answer (the answer taken as typed: prompts.fim.accepted) is served by the prompt and tokens the answer
         left in the slot (prompts.fim.continuation), or else its prompt is evaluated in the background; after a pause
         the context the budget cut is widened. A warm-up of chunks the slot's last completion took none of leaves the
-        slot be (`declined`)."""
+        slot be (`declined`). An answer ends before it repeats the lines below the cursor (prompts.fim.next_lines)."""
         arrival = time.perf_counter()
         body = await self.svc.body_of(request)
         eng = self.svc.engine()
@@ -65,15 +65,15 @@ class LlamaRoutes:
         c = req.config
         budget = schemas.prompt_budget(body) if c.max_tokens != 0 else None  # a warm-up evaluates all it is sent
         await self.svc.preempt(awaited=c.max_tokens != 0)
-        room = c.max_tokens if c.max_tokens else LLAMA_N_PREDICT  # kept free for the answer
         layout = _layout(heals := _heals(body, c), c, self.svc.settings.fim_layout)
-        infill, room = schemas.infill(body), min(room, eng.n_ctx // 2)
+        infill, room = schemas.infill(body), min(c.max_tokens or LLAMA_N_PREDICT, eng.n_ctx // 2)  # for the answer
         follow, lead = self._follow(infill, c) if c.max_tokens else (None, "")
         held, heal = healed(infill, layout) if heals and not follow else (infill, "")
         ip = follow or eng.infill_prompt(held, room, budget, c.slot, c.cache_reuse, layout, warm_up=c.max_tokens == 0)
         ip = self._in_slot(ip, infill, budget, c.max_tokens == 0)
         due = arrival + budget + c.time_limit + ANSWER_SLACK if budget is not None and c.time_limit else None
-        req = dataclasses.replace(req, config=dataclasses.replace(c, slot=ip.slot, deadline=due, heal=heal))
+        req = dataclasses.replace(req, config=dataclasses.replace(c, slot=ip.slot, deadline=due, heal=heal,
+                                                                  repeats=next_lines(infill)))
         report = {"truncated": ip.kept.cut, "infill": {"layout": layout, "budget_tokens": ip.budget_tokens,
                                                        "continued": follow is not None, "healed": heal,
                                                        **ip.kept.to_dict()}}

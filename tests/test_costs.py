@@ -238,3 +238,23 @@ def test_a_timing_is_contended_where_others_take_cores_its_threads_need():
     assert not contended(1.1, 2, 1)  # a pytest-xdist neighbour on the other core: it took none of this one's
     assert contended(1.3, 2, 1)
     assert not contended(10.0, 16, 4) and contended(12.5, 16, 4)
+
+
+def test_a_contended_calibration_is_timed_again_and_the_fastest_of_each_size_used_or_a_quiet_one_cached(
+        monkeypatch, tmp_path):
+    """Load from elsewhere only slows a pass: while every timing is contended, each size's fastest of
+    CONTENDED_TRIES is used and nothing cached; a quiet try is used and cached as it is."""
+    from edgespec.config import LoadConfig
+    from edgespec.decoding import costs
+
+    monkeypatch.setattr(costs, "CONTENDED_TRIES", 3)
+    timings = iter([(0.010, 0.030), (0.015, 0.022), (0.012, 0.025), (0.020, 0.040), (0.011, 0.016)])
+    busy = iter([True, True, True, True, False])
+    monkeypatch.setattr(costs, "time_batches", lambda model, batches, progress=None: next(timings))
+    monkeypatch.setattr(costs, "contended", lambda others, cpus, threads: next(busy))
+    model = SimpleNamespace(path=tmp_path / "m.gguf", cfg=LoadConfig(n_threads=2))
+    model.path.write_bytes(b"GGUF")
+    assert costs._measured_or_timed(model, (1, 2), tmp_path / "cache", "cpu") == (0.010, 0.022)
+    assert not (tmp_path / "cache").exists()
+    assert costs._measured_or_timed(model, (1, 2), tmp_path / "cache", "cpu") == (0.011, 0.016)  # busy, then quiet
+    assert costs._measured_or_timed(model, (1, 2), tmp_path / "cache", "cpu") == (0.011, 0.016)  # from the cache

@@ -47,8 +47,8 @@ PAUSE_MARGIN = 1.15
 # Cores other processes may keep busy on this process's CPUs, past those its threads leave free, for a timing to be
 # cached: one taken while a build or a benchmark ran would price every later run's prompts as dear as then.
 CONTENDED_CORES = 0.25
-# Timings taken while it is so, at most, before the fastest of each size is used: one curve timed beside a test
-# worker priced a batch of 2 at 2.5 single passes, and under such a curve no proposal pays.
+# Timings taken while it is so, at most, before the fastest of each size is used: under a curve timed beside a
+# test worker no proposal may pay (docs/policy.md).
 CONTENDED_TRIES = 3
 TimingProgress = Callable[[str, int, int], None]  # (model file name, passes timed, passes in all)
 

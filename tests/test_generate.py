@@ -276,7 +276,7 @@ def test_a_line_that_repeats_one_of_the_given_lines_ends_the_generation_before_i
         prompt = "Items:\n- apples\n- pears\n- plums\n"
         free = e.generate(prompt, GenerationConfig(max_tokens=32))
         lines = free.text.split("\n")
-        k = next(k for k in range(1, len(lines) - 1) if lines[k] not in lines[:k])  # a line the free answer repeats
+        k = next(k for k in range(1, len(lines) - 1) if lines[k] not in lines[:k])  # given below: no line before it
         stopped = e.generate(prompt, GenerationConfig(max_tokens=32, repeats=(f"  {lines[k]} ",)))
         assert stopped.text == "".join(line + "\n" for line in lines[:k]) and stopped.finish_reason == "length"
         assert stopped.tokens == free.tokens[:len(stopped.tokens)] and len(stopped.tokens) < len(free.tokens)

@@ -22,9 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,6 +61,10 @@ def main() -> None:
     ap.add_argument("--ring", nargs="*", default=[], help="files whose chunks fill the ring of extra context")
     ap.add_argument("--ring-size", type=int, default=RING_SIZE)
     ap.add_argument("--ring-every", type=int, default=RING_EVERY, help="a new ring chunk every N lines")
+    ap.add_argument("--relevant", type=int, default=0,
+                    help="up to N lines of the editor's window outside the prefix that first hold a rare word of "
+                         "the nearest lines, or a word the typed one starts, as an extra chunk")
+    ap.add_argument("--window", type=int, default=256, help="the editor's lines before the cursor (llama.vim's)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "fim-layout.json")
     args = ap.parse_args()
     check_ring(ap, args)
@@ -84,6 +90,10 @@ def main() -> None:
                 infill = Infill("".join(s + "\n" for s in lines[first:c.line]),
                                 "\n".join(["", *lines[c.line + 1:c.line + 1 + args.suffix_lines]]) + "\n", c.typed,
                                 tuple((r["filename"], r["text"]) for r in ring.held))
+                if args.relevant:
+                    rel = relevant(lines, first, c, args.suffix_lines, args.window, args.relevant)
+                    if rel:
+                        infill = replace(infill, extra=infill.extra + ((path.name, rel),))
                 row = {"where": f"{path.name}:{c.line + 1}:{c.col}", "real": c.real}
                 for slot, variant in enumerate(args.variants):
                     layout, heals = VARIANTS[variant]
@@ -111,6 +121,34 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "cpu": os.cpu_count(),
                                     "records": records, "table": lines_out}, indent=1))
+
+
+_WORD = re.compile(r"[A-Za-z_]\w*")
+_NAME = re.compile(r"\w_|_\w|[a-z][A-Z]|\d")  # a word that names a thing in code, not English
+_CODE = re.compile(r"[=(){};:\[\]]")
+
+
+def relevant(lines: list[str], first: int, c: Cursor, suffix_lines: int, window: int, most: int) -> str:
+    """Lines of the window outside the prompt's own that first hold a word of the nearest lines seen few times in
+    the window, or a longer word that the typed text's last word starts."""
+    lo, hi = max(0, c.line - window), min(len(lines), c.line + 1 + 64)
+    inside = set(range(first, c.line + 1 + suffix_lines + 1))
+    counts: dict[str, int] = {}
+    for y in range(lo, hi):
+        for w in _WORD.findall(lines[y]):
+            counts[w] = counts.get(w, 0) + 1
+    near = " ".join(lines[max(first, c.line - 8):c.line]) + " " + c.typed + " " + " ".join(
+        lines[c.line + 1:c.line + 1 + suffix_lines])
+    wanted = {w for w in _WORD.findall(near) if _NAME.search(w) and counts.get(w, 0) <= 6}
+    if (m := re.search(r"[A-Za-z_]\w*\Z", c.typed)) and len(m.group()) >= 2:
+        wanted |= {w for w in counts if w.startswith(m.group()) and w != m.group() and _NAME.search(w)}
+    taken: list[int] = []
+    for w in sorted(wanted):
+        at = next((y for y in range(lo, hi) if re.search(rf"\b{w}\b", lines[y]) and _CODE.search(lines[y])
+                   and not lines[y].lstrip().startswith(("#", "//", "*", "/*"))), None)
+        if at is not None and at not in inside and at not in taken:
+            taken.append(at)
+    return "".join(lines[y] + "\n" for y in sorted(taken)[:most])
 
 
 def marked(path: Path, start: int, n_lines: int) -> Iterator[Cursor]:

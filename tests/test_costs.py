@@ -154,6 +154,21 @@ def test_batches_nobody_waits_on_are_priced_on_their_own_scale():
     assert rate.background == before
 
 
+def test_a_batch_aborted_past_its_price_raises_the_background_scale_and_one_within_it_teaches_nothing():
+    """An aside batch a request stopped ran at least as long as it did. Priced short, such batches were aborted at
+    the end of pause after pause and never timed (a slow CPU's session lost five pauses so)."""
+    rate = PromptRate((1, 16, 64), (0.1, 0.19, 0.6))
+    rate.observe_background(64, 0.3, at_least=True)  # stopped within its price: it may have been cheap
+    assert rate.background == 1.0
+    rate.observe_background(64, 0.9, at_least=True)  # stopped past it: it costs at least that
+    assert rate.background_seconds(64) == pytest.approx(0.9)
+    raised = rate.background
+    rate.observe_background(64, 0.61, at_least=True)  # past its old price, within its new one: nothing learned
+    assert rate.background == raised
+    rate.observe_background(64, 0.3)  # a batch that ended is timed whole, both ways
+    assert rate.background < raised
+
+
 def test_a_prompt_batch_is_padded_to_a_timed_size_where_that_costs_less():
     # The 1.5B target's prompt batches on the 2-core AVX-512 Xeon, repacked weights (docs/bench/prompt-padding.md):
     # a size one short of 4, 16 or 32 costs more than that size.

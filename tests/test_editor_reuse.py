@@ -474,6 +474,38 @@ def test_an_aside_builds_batches_are_timed_in_the_time_the_server_ran():
     assert rate.background < before, (rate.background, before)
 
 
+def test_a_batch_a_request_stopped_is_timed_up_to_the_stop():
+    """The batch in flight when a request stops an aside build (Service.build_in_pause) is timed from its sizing to
+    the stop, as a lower bound: past its price, the background scale rises. Not where the process was stopped
+    meanwhile: the stop's tick is time the batch did not run."""
+    import types
+
+    from edgespec.decoding.costs import PromptRate
+    from edgespec.server.service import Pauses, Service
+
+    rate = PromptRate((1, 16, 64), (0.1, 0.19, 0.6))
+    svc = types.SimpleNamespace(loaded=types.SimpleNamespace(prompt_rate=rate), pauses=Pauses(lambda _: None))
+    svc.pauses.answered()
+    batches = Service.background_batches(svc)
+    n = batches(1024)
+    batches.aborted()  # stopped at once: within any price
+    assert rate.background == 1.0
+    n = batches(1024)
+    time.sleep(1.5 * rate.background_seconds(n))
+    batches.aborted()
+    assert rate.background > 1.0, rate.background
+    raised = rate.background
+    batches.aborted()  # no batch in flight: nothing more to time
+    assert rate.background == raised
+    n = batches(1024)
+    waker = subprocess.Popen(["sh", "-c", f"sleep 1; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)  # a stop (a lockstep benchmark's freeze) during the batch
+    waker.wait(10)
+    time.sleep(rate.background_seconds(n))  # then as long as its price: with the stop's tick, past it
+    batches.aborted()
+    assert rate.background == raised
+
+
 def test_a_streamed_completion_stops_a_warm_up_that_came_before_its_job():
     # As Service.run: a warm-up that registered its evaluation after the route's preempt would take the engine first
     # and hold the stream back for all its chunks; the stream preempts again as its job starts.

@@ -166,11 +166,18 @@ class PromptRate:
         """Predicted seconds for a batch of `tokens` evaluated while nobody waits."""
         return self.background * self._curve(tokens)
 
-    def observe_background(self, tokens: int, seconds: float) -> None:
+    def observe_background(self, tokens: int, seconds: float, at_least: bool = False) -> None:
         """A batch of `tokens` evaluated while nobody waits took `seconds` (of the time the process ran): its scale
-        follows it as `observe`'s does."""
-        if seconds > 0 and self.known and tokens >= RATE_LEAST_TOKENS:
-            self.background = self._followed(self.background, seconds / self._curve(tokens))
+        follows it as `observe`'s does. One a request aborted (`at_least`) ran that long and needed more, so it
+        teaches only where it ran past its price: batches priced short were each aborted at a pause's end, and taught
+        nothing, pause after pause (docs/bench/editor.md)."""
+        if seconds <= 0 or not self.known or tokens < RATE_LEAST_TOKENS:
+            return
+        ratio = seconds / self._curve(tokens)
+        if at_least:  # a bound, not a timing: the price rises to it at once (at most 2x), and never falls by it
+            self.background = max(self.background, min(ratio, 2 * self.background))
+        else:
+            self.background = self._followed(self.background, ratio)
 
     def _followed(self, old: float, ratio: float) -> float:
         """A scale after one more observation of `ratio`, which moves it at most 2x."""

@@ -32,6 +32,7 @@ from edgespec.server.http import MAX_DRAIN_BYTES, Settings, TooLarge, Unavailabl
 if TYPE_CHECKING:
     from edgespec.decoding.loop import Stats
     from edgespec.engine import Chunk, Engine
+    from edgespec.engine.infill import AsideBuild
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Pauses:
         self.seen: collections.deque[float] = collections.deque(maxlen=PAUSES_KEPT)
         self.observe = observe  # each pause that ends (the metrics)
         self._ran, self._tick = 0.0, time.perf_counter()
+        self.stops = 0  # ticks that found the process stopped for longer than a tick counts
         self._lock = threading.Lock()
         self._ticker: threading.Thread | None = None
 
@@ -57,6 +59,7 @@ class Pauses:
         """Seconds this process ran, as ticks count them (under the lock)."""
         now = time.perf_counter()
         self._ran += min(now - self._tick, PAUSE_TICK_CAP)
+        self.stops += now - self._tick > PAUSE_TICK_CAP
         self._tick = now
         return self._ran
 
@@ -228,10 +231,19 @@ class Service:
 
         self._background(cancel, self.submit(work), awaited=False)
 
-    def background_batches(self) -> Callable[[int], int]:
+    def background_batches(self) -> TimedBatches:
         """For one aside build: tokens for its next batch, `left` to evaluate, sized to end within this pause."""
         assert self.loaded is not None  # not engine(): a build runs on while a draining server cancels it
-        return _timed_batches(self.loaded.prompt_rate, self.pauses)
+        return TimedBatches(self.loaded.prompt_rate, self.pauses)
+
+    def build_in_pause(self, eng: Engine, build: AsideBuild, cancel: threading.Event) -> bool:
+        """Evaluate `build` aside (Engine.build_aside) in batches sized to this pause, until done or `cancel`: whether
+        it is done. The batch a request stopped is timed too (TimedBatches.aborted)."""
+        batches = self.background_batches()
+        done = eng.build_aside(build, cancel, batches, self.pause_room)
+        if not done and cancel.is_set():
+            batches.aborted()
+        return done
 
     def pause_room(self, seconds: float) -> bool:
         """Whether this pause is expected to hold `seconds` more of work that cannot be aborted."""
@@ -368,22 +380,32 @@ def _quiet_for(seconds: float, cancel: threading.Event) -> bool:
     return cancel.is_set()
 
 
-def _timed_batches(rate: costs.PromptRate, pauses: Pauses) -> Callable[[int], int]:
+class TimedBatches:
     """A build's batch sizes, each sized to end within the pause (costs.pause_batch). Each call times the batch
     before it (all a build does between them) for `rate`'s background scale, in the time the process ran: a batch
-    that a stop (a lockstep benchmark's freeze) held up would price the next ones dear."""
-    last: tuple[int, float] | None = None
+    that a stop (a lockstep benchmark's freeze) held up would price the next ones dear. `aborted` times the batch a
+    request stopped, which ran at least that long."""
 
-    def batch(left: int) -> int:
-        nonlocal last
-        now = pauses.ran()
-        if last is not None:
-            rate.observe_background(last[0], now - last[1])
-        n = costs.pause_batch(pauses.elapsed, tuple(pauses.seen), rate.background_seconds, left, BACKGROUND_BATCH)
-        last = (n, now)
+    def __init__(self, rate: costs.PromptRate, pauses: Pauses) -> None:
+        self.rate, self.pauses = rate, pauses
+        self.last: tuple[int, float, int] | None = None  # the batch in flight: its tokens, start, Pauses.stops then
+
+    def __call__(self, left: int) -> int:
+        now = self.pauses.ran()
+        if self.last is not None:
+            self.rate.observe_background(self.last[0], now - self.last[1])
+        n = costs.pause_batch(self.pauses.elapsed, tuple(self.pauses.seen), self.rate.background_seconds, left,
+                              BACKGROUND_BATCH)
+        self.last = (n, now, self.pauses.stops)
         return n
 
-    return batch
+    def aborted(self) -> None:
+        """The batch in flight was stopped by a request: it would have taken longer than it ran, unless the process
+        was stopped meanwhile (the tick a stop counts would make a bound of it that the batch never ran)."""
+        ran = self.pauses.ran()
+        if self.last is not None and self.pauses.stops == self.last[2]:
+            self.rate.observe_background(self.last[0], ran - self.last[1], at_least=True)
+        self.last = None
 
 
 def _log_failure(job: asyncio.Future) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
@@ -102,8 +103,7 @@ class LlamaRoutes:
             kept = not lead and self._keep(held, heal + answer, ip, chunks, layout)
             # the next requests' wider context: built aside, afresh, first; widened in place only without an aside
             build, widen = ip.aside(), wider if eng.pool.aside is None else None
-            aside = None if build is None else lambda cancel: eng.build_aside(
-                build, cancel, self.svc.background_batches(), self.svc.pause_room)
+            aside = None if build is None else functools.partial(self.svc.build_in_pause, eng, build)
             self.svc.warm(widen, req.config, WIDEN_DELAY, now=lambda: () if kept or lead else ahead(answer),
                           aside=aside)
 

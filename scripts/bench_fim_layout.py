@@ -33,11 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
-from bench_editor import (DEFAULT_FILES, RING_EVERY, RING_SIZE, Cursor, Ring, agreement, check_ring,  # noqa: E402
-                          cursor_at, cursors, parse_files)
+from bench_editor import (DEFAULT_FILES, N_PREFIX, N_SUFFIX, RING_EVERY, RING_SIZE, Cursor, Ring,  # noqa: E402
+                          agreement, check_ring, cursor_at, cursors, parse_files)
 
 from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig  # noqa: E402
-from edgespec.prompts.fim import LAYOUTS, FimPrompt, Infill, healed  # noqa: E402
+from edgespec.prompts.fim import LAYOUTS, NEAR_LINES, FimPrompt, Infill, healed  # noqa: E402
 
 SUFFIX_LINES = 16
 PREFIX_LINES = 96  # the prefix starts this many lines before the first cursor of a file, then grows
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--relevant", type=int, default=0,
                     help="up to N lines of the editor's window outside the prefix that first hold a rare word of "
                          "the nearest lines, or a word the typed one starts, as an extra chunk")
-    ap.add_argument("--window", type=int, default=256, help="the editor's lines before the cursor (llama.vim's)")
+    ap.add_argument("--window", type=int, default=N_PREFIX, help="the editor's lines before the cursor")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "fim-layout.json")
     args = ap.parse_args()
     check_ring(ap, args)
@@ -131,13 +131,13 @@ _CODE = re.compile(r"[=(){};:\[\]]")
 def relevant(lines: list[str], first: int, c: Cursor, suffix_lines: int, window: int, most: int) -> str:
     """Lines of the window outside the prompt's own that first hold a word of the nearest lines seen few times in
     the window, or a longer word that the typed text's last word starts."""
-    lo, hi = max(0, c.line - window), min(len(lines), c.line + 1 + 64)
+    lo, hi = max(0, c.line - window), min(len(lines), c.line + 1 + N_SUFFIX)
     inside = set(range(first, c.line + 1 + suffix_lines + 1))
     counts: dict[str, int] = {}
     for y in range(lo, hi):
         for w in _WORD.findall(lines[y]):
             counts[w] = counts.get(w, 0) + 1
-    near = " ".join(lines[max(first, c.line - 8):c.line]) + " " + c.typed + " " + " ".join(
+    near = " ".join(lines[max(first, c.line - NEAR_LINES):c.line]) + " " + c.typed + " " + " ".join(
         lines[c.line + 1:c.line + 1 + suffix_lines])
     wanted = {w for w in _WORD.findall(near) if _NAME.search(w) and counts.get(w, 0) <= 6}
     if (m := re.search(r"[A-Za-z_]\w*\Z", c.typed)) and len(m.group()) >= 2:

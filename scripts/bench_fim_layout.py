@@ -15,6 +15,8 @@ else.
 
 With --ring the prompts also carry extra chunks of other files, as a bench_editor.py session's ring holds them at
 each cursor (--ring-every, --ring-size as there): what the editor's ring is worth at a given width (--prefix-lines).
+With --relevant N, lines of the window chosen for the names near the cursor go in as an extra chunk; with
+--outline N, the window's signatures above the prefix (a file's outline) go at the prefix's start.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ def main() -> None:
     ap.add_argument("--relevant", type=int, default=0,
                     help="up to N lines of the editor's window outside the prefix that first hold a rare word of "
                          "the nearest lines, or a word the typed one starts, as an extra chunk")
+    ap.add_argument("--outline", type=int, default=0,
+                    help="up to N header lines (a line the next one is indented under) of the editor's window before "
+                         "the prefix, at the cursor's function's level or above, put before the prefix's lines")
     ap.add_argument("--window", type=int, default=N_PREFIX, help="the editor's lines before the cursor")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "fim-layout.json")
     args = ap.parse_args()
@@ -90,6 +95,8 @@ def main() -> None:
                 infill = Infill("".join(s + "\n" for s in lines[first:c.line]),
                                 "\n".join(["", *lines[c.line + 1:c.line + 1 + args.suffix_lines]]) + "\n", c.typed,
                                 tuple((r["filename"], r["text"]) for r in ring.held))
+                if args.outline:
+                    infill = replace(infill, prefix=outline(lines, first, c, args.window, args.outline) + infill.prefix)
                 if args.relevant:
                     rel = relevant(lines, first, c, args.suffix_lines, args.window, args.relevant)
                     if rel:
@@ -126,6 +133,42 @@ def main() -> None:
 _WORD = re.compile(r"[A-Za-z_]\w*")
 _NAME = re.compile(r"\w_|_\w|[a-z][A-Z]|\d")  # a word that names a thing in code, not English
 _CODE = re.compile(r"[=(){};:\[\]]")
+_CLASSLIKE = re.compile(r"(export\s+)?(class|struct|namespace|impl|interface)\b")
+
+
+def outline(lines: list[str], first: int, c: Cursor, window: int, most: int) -> str:
+    """The nearest `most` header lines of the window before `first` at the level of the function the cursor is in
+    or above: the signatures a file's far lines hold, without their bodies."""
+    def indent(y: int) -> int:
+        return len(lines[y]) - len(lines[y].lstrip())
+
+    def nxt(y: int) -> int | None:
+        return next((z for z in range(y + 1, len(lines)) if lines[z].strip()), None)
+
+    chain, m = [], min(c.indent, indent(c.line)) if lines[c.line].strip() else c.indent
+    for y in range(c.line - 1, -1, -1):
+        if lines[y].strip() and indent(y) < m:
+            chain.append(y)
+            m = indent(y)
+    if not chain:
+        return ""
+    level = indent(chain[-1])
+    if len(chain) > 1 and _CLASSLIKE.match(lines[chain[-1]].strip()):
+        level = indent(chain[-2])
+    def parent(y: int) -> int | None:
+        return next((z for z in range(y - 1, -1, -1) if lines[z].strip() and indent(z) < indent(y)), None)
+
+    def kept(y: int) -> bool:  # a signature at the top level, or a member's of a class-like block
+        if not lines[y].strip() or indent(y) > level or lines[y].lstrip().startswith(("#", "//", "*", "/*")):
+            return False
+        if not ("(" in lines[y] or _CLASSLIKE.match(lines[y].strip())):
+            return False
+        if (z := nxt(y)) is None or indent(z) <= indent(y):
+            return False
+        return indent(y) == 0 or ((p := parent(y)) is not None and bool(_CLASSLIKE.match(lines[p].strip())))
+
+    heads = [y for y in range(max(0, c.line - window), first) if kept(y)]
+    return "".join(lines[y] + "\n" for y in heads[-most:])
 
 
 def relevant(lines: list[str], first: int, c: Cursor, suffix_lines: int, window: int, most: int) -> str:

@@ -155,6 +155,7 @@ def outline(lines: list[str], first: int, c: Cursor, window: int, most: int) -> 
     level = indent(chain[-1])
     if len(chain) > 1 and _CLASSLIKE.match(lines[chain[-1]].strip()):
         level = indent(chain[-2])
+
     def parent(y: int) -> int | None:
         return next((z for z in range(y - 1, -1, -1) if lines[z].strip() and indent(z) < indent(y)), None)
 

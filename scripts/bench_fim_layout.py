@@ -134,6 +134,7 @@ _WORD = re.compile(r"[A-Za-z_]\w*")
 _NAME = re.compile(r"\w_|_\w|[a-z][A-Z]|\d")  # a word that names a thing in code, not English
 _CODE = re.compile(r"[=(){};:\[\]]")
 _CLASSLIKE = re.compile(r"(export\s+)?(class|struct|namespace|impl|interface)\b")
+_COMMENT = ("#", "//", "*", "/*")  # how a comment line starts
 
 
 def outline(lines: list[str], first: int, c: Cursor, window: int, most: int) -> str:
@@ -145,6 +146,9 @@ def outline(lines: list[str], first: int, c: Cursor, window: int, most: int) -> 
     def nxt(y: int) -> int | None:
         return next((z for z in range(y + 1, len(lines)) if lines[z].strip()), None)
 
+    def classlike(y: int) -> bool:
+        return bool(_CLASSLIKE.match(lines[y].strip()))
+
     chain, m = [], min(c.indent, indent(c.line)) if lines[c.line].strip() else c.indent
     for y in range(c.line - 1, -1, -1):
         if lines[y].strip() and indent(y) < m:
@@ -153,20 +157,20 @@ def outline(lines: list[str], first: int, c: Cursor, window: int, most: int) -> 
     if not chain:
         return ""
     level = indent(chain[-1])
-    if len(chain) > 1 and _CLASSLIKE.match(lines[chain[-1]].strip()):
+    if len(chain) > 1 and classlike(chain[-1]):
         level = indent(chain[-2])
 
     def parent(y: int) -> int | None:
         return next((z for z in range(y - 1, -1, -1) if lines[z].strip() and indent(z) < indent(y)), None)
 
     def kept(y: int) -> bool:  # a signature at the top level, or a member's of a class-like block
-        if not lines[y].strip() or indent(y) > level or lines[y].lstrip().startswith(("#", "//", "*", "/*")):
+        if not lines[y].strip() or indent(y) > level or lines[y].lstrip().startswith(_COMMENT):
             return False
-        if not ("(" in lines[y] or _CLASSLIKE.match(lines[y].strip())):
+        if not ("(" in lines[y] or classlike(y)):
             return False
         if (z := nxt(y)) is None or indent(z) <= indent(y):
             return False
-        return indent(y) == 0 or ((p := parent(y)) is not None and bool(_CLASSLIKE.match(lines[p].strip())))
+        return indent(y) == 0 or ((p := parent(y)) is not None and classlike(p))
 
     heads = [y for y in range(max(0, c.line - window), first) if kept(y)]
     return "".join(lines[y] + "\n" for y in heads[-most:])
@@ -189,7 +193,7 @@ def relevant(lines: list[str], first: int, c: Cursor, suffix_lines: int, window:
     taken: list[int] = []
     for w in sorted(wanted):
         at = next((y for y in range(lo, hi) if re.search(rf"\b{w}\b", lines[y]) and _CODE.search(lines[y])
-                   and not lines[y].lstrip().startswith(("#", "//", "*", "/*"))), None)
+                   and not lines[y].lstrip().startswith(_COMMENT)), None)
         if at is not None and at not in inside and at not in taken:
             taken.append(at)
     return "".join(lines[y] + "\n" for y in sorted(taken)[:most])

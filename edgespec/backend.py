@@ -73,16 +73,6 @@ def _first_error() -> str:
     return _recent_errors[0] if _recent_errors else "no reason given"
 
 
-def open_facts(path: str | Path) -> Model:
-    """A GGUF's facts and vocabulary without a context: weights mapped and not repacked, so this is quick."""
-    return Model(path, LoadConfig(n_ctx=256, n_threads=1, n_gpu_layers=0), facts_only=True)
-
-
-def read_facts(path: str | Path) -> ModelFacts:
-    with open_facts(path) as m:
-        return m.facts
-
-
 @dataclass(frozen=True)
 class RemoteLayers:
     """The target's last layers on other devices (RPC workers), in order: `layers[i]` units on `devices[i]`; the
@@ -500,6 +490,20 @@ class KVSequence(KeptRow):
             raise EdgespecError(f"KV cache of {self.model.path.name} ends at {pos} after trimming to {n_keep}")
         return dropped
 
+    def saved(self) -> ctypes.Array | None:
+        """A host copy of its KV entries (engine.recall); None when empty, or while moved keys await re-rotation."""
+        if not self.tokens or self.model._shifted:
+            return None
+        data = (ctypes.c_uint8 * llama_cpp.llama_state_seq_get_size(self.model._ctx, self.seq_id))()
+        return data if llama_cpp.llama_state_seq_get_data(self.model._ctx, data, len(data), self.seq_id) else None
+
+    def restore(self, tokens: Sequence[int], data: ctypes.Array) -> bool:
+        """Hold `tokens` again from the copy `saved` made of them; whether llama.cpp found cells (else none held)."""
+        self.trim(0)
+        if done := llama_cpp.llama_state_seq_set_data(self.model._ctx, data, len(data), self.seq_id) == len(data):
+            self.tokens.extend(tokens)
+        return done
+
     def pos_max(self) -> int:
         """The last position llama.cpp holds for the sequence (-1 when empty)."""
         return int(llama_cpp.llama_memory_seq_pos_max(self.model._mem, self.seq_id))
@@ -643,7 +647,3 @@ def _extra_buffer_type(name: bytes) -> int | None:
                                                 b"ggml_backend_dev_get_extra_bufts")
     bufts = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(get)(cpu) if get else [None]
     return next((b for b in itertools.takewhile(bool, bufts) if dev.ggml_backend_buft_name(b) == name), None)
-
-
-def library_version() -> str:
-    return getattr(llama_cpp, "__version__", "unknown")

@@ -34,6 +34,9 @@ DEFAULT_PORT = 8012  # llama.vim's and llama.vscode's default endpoint
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 DEFAULT_SSE_PING_SECONDS = 10.0  # a silent stream (a long CPU prefill) gets a comment this often
 DEFAULT_SERVER_SLOTS = 2  # a chat and an editor's completions, each keeping its prompt cache
+# Host memory for prompts the slots held before (engine.recall): llama-server's --cache-ram default, or an eighth of
+# the machine's memory where that is less.
+DEFAULT_CACHE_RAM_MIB = 8192
 SHUTDOWN_GRACE_SECONDS = 10.0
 # Per-route defaults, as each API documents its own: OpenAI's completions stop at 16 tokens and sample at
 # temperature 1; a chat answer is bounded by the room left (and this); llama.cpp's routes sample at 0.8.
@@ -283,6 +286,9 @@ class EngineConfig:
     # llama.cpp RPC workers (host:port) that may hold the target's last layers; the proposer stays on this machine.
     rpc: tuple[str, ...] = ()
     rpc_layers: tuple[int, ...] | None = None  # layer units per worker; None: the plan's split
+    # MiB of host memory for prompts the slots held before (llama.cpp's --cache-ram: -1 no limit, 0 none kept);
+    # None: DEFAULT_CACHE_RAM_MIB, or an eighth of the machine's memory where that is less.
+    cache_ram: int | None = None
 
     def __post_init__(self) -> None:
         if self.rpc_layers is not None and not self.rpc:
@@ -297,6 +303,9 @@ class EngineConfig:
         if self.draft_gpu_layers is not None and self.draft_gpu_layers < 0:
             raise InvalidRequestError(f"draft GPU layers {self.draft_gpu_layers} must be >= 0; leave "
                                       f"--draft-gpu-layers out to let the plan choose")
+        if self.cache_ram is not None and self.cache_ram < -1:
+            raise InvalidRequestError(f"cache RAM {self.cache_ram} MiB must be >= -1 (-1: no limit, 0: keep no "
+                                      f"prompts); e.g. --cache-ram 2048")
         if self.draft_device not in DRAFT_DEVICES:
             raise InvalidRequestError(f"draft device {self.draft_device!r} must be one of {', '.join(DRAFT_DEVICES)}")
 

@@ -160,7 +160,7 @@ def gpu_layers(path: Path, layout: str) -> int:
         return 0
     if layout == "full":
         return LAYER_ALL
-    from edgespec.backend import read_facts
+    from edgespec.planning.plan import read_facts
 
     return read_facts(path).n_layer // 2
 

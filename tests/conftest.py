@@ -86,7 +86,9 @@ def coder_server(qwen_draft_path):
     server of their own (each start loads and calibrates the model)."""
     from test_server import Server
 
-    s = Server(qwen_draft_path, "--ctx", "4096", "--slots", "1")
+    # No prompt cache: its tests walk the same lines, and each asks what its own requests leave in the one slot
+    # (test_recall serves with the default)
+    s = Server(qwen_draft_path, "--ctx", "4096", "--slots", "1", "--cache-ram", "0")
     yield s
     s.stop()
 

@@ -146,6 +146,10 @@ def chat_cmd(system: str | None, interactive: bool | None, show_draft: bool, cac
               help="Reuse cached chunks of at least N tokens at their new position (KV shifting) on every route, "
                    "as llama-server's --cache-reuse; 0 reuses only the common prefix [default: 16 on /infill, 0 "
                    "elsewhere]. Close to a fresh evaluation, not identical.")
+@click.option("--cache-ram", "cache_ram", type=click.IntRange(min=-1), default=None,
+              help="MiB of host memory for prompts the slots held before, taken back when a client returns to "
+                   "one (llama-server's --cache-ram; -1: no limit, 0: none kept) [default: 8192, or an eighth of "
+                   "the machine's memory where that is less].")
 @click.option("--fim-layout", type=click.Choice(FIM_LAYOUTS), default=DEFAULT_FIM_LAYOUT, show_default=True,
               help="/infill: the typed part of the cursor line starts the middle (a keystroke then appends to the "
                    "prompt) or ends the prefix (llama.cpp's layout).")
@@ -154,8 +158,8 @@ def chat_cmd(system: str | None, interactive: bool | None, show_draft: bool, cac
                    "a second signal cancels them at once.")
 @domain_errors
 def serve(host: str, port: int, api_keys: tuple[str, ...], cors_origins: tuple[str, ...], max_body_bytes: int,
-          infill_cancel_older: bool, n_seq: int, keepalive: float, cache_reuse: int | None, fim_layout: str,
-          shutdown_grace: float, **o: Any) -> None:
+          infill_cancel_older: bool, n_seq: int, keepalive: float, cache_reuse: int | None, cache_ram: int | None,
+          fim_layout: str, shutdown_grace: float, **o: Any) -> None:
     """Serve OpenAI-compatible and llama.cpp-style (/infill, /completion) endpoints."""
     try:
         from edgespec.server import Settings, create_app, is_loopback, serve as run_server
@@ -165,7 +169,8 @@ def serve(host: str, port: int, api_keys: tuple[str, ...], cors_origins: tuple[s
         raise click.ClickException(f"refusing to listen on {host} without an API key: anyone who can reach it "
                                    f"could use it; pass --api-key KEY, or keep the default --host 127.0.0.1")
     # Bad options end here, in one line, before the port opens. Memory: on by default only where text stays local.
-    config = engine_config(o, mmap=False, n_seq=n_seq, memory=is_loopback(host), aside=ASIDE_TOKENS)
+    config = engine_config(o, mmap=False, n_seq=n_seq, memory=is_loopback(host), aside=ASIDE_TOKENS,
+                           cache_ram=cache_ram)
     port = settle({"port": port}).port
     settings = Settings(host=host, port=port, api_key=api_keys[0] if api_keys else None, api_keys=api_keys[1:],
                         cors_origins=cors_origins,

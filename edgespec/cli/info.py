@@ -32,7 +32,7 @@ def machine_info() -> dict[str, Any]:
                     f"{d.total_bytes / GiB:.1f} GiB" for d in found] or ["none reported"],
         "llama.cpp features": features.strip(),
         "onnxruntime (ONNX drafts)": _onnxruntime(),
-        "versions": [f"edgespec {_version('edgespec')}", f"llama-cpp-python {backend.library_version()}",
+        "versions": [f"edgespec {_version('edgespec')}", f"llama-cpp-python {_version('llama-cpp-python')}",
                      f"numpy {_version('numpy')}", f"huggingface-hub {_version('huggingface-hub')}",
                      f"python {sys.version.split()[0]}"],
         "model cache": str(cache_dir()),

@@ -173,7 +173,7 @@ def memory_clear(model: str | None) -> None:
 def draft_candidates(target: str) -> list[tuple[str, str | None, str]]:
     """(name, path, verdict) for every cached GGUF that passes the vocabulary check against `target`,
     and catalog pairs not yet cached."""
-    from edgespec.backend import open_facts
+    from edgespec.planning.plan import open_facts
     from edgespec.models import resolve
     from edgespec.models.hub import hub_cached_ggufs
     from edgespec.proposers.draft import check_compatible

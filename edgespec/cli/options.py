@@ -199,7 +199,7 @@ def progress_bar(show: bool) -> FetchBar | None:
 
 
 def engine_config(o: dict[str, Any], mmap: bool = True, n_seq: int = 1, memory: bool = True,
-                  aside: int = 0) -> EngineConfig:
+                  aside: int = 0, cache_ram: int | None = None) -> EngineConfig:
     """The EngineConfig the engine options describe (flag > env > config file > built-in); `mmap` is the
     command's default for --mmap."""
     d = settle({"model": o["model"], "draft": o["draft"], "ctx": o["n_ctx"], "threads": o["threads"]})
@@ -210,7 +210,7 @@ def engine_config(o: dict[str, Any], mmap: bool = True, n_seq: int = 1, memory: 
                                    n_gpu_layers=-1 if o["gpu_layers"] is None else o["gpu_layers"]),
                         parse_size(o["memory_budget"]) if o["memory_budget"] else None, o["source"],
                         o["draft_gpu_layers"], o["draft_device"], memory if o["memory"] is None else o["memory"],
-                        *rpc_settings(o["rpc"], o["rpc_layers"]))
+                        *rpc_settings(o["rpc"], o["rpc_layers"]), cache_ram=cache_ram)
 
 
 def open_engine(o: dict[str, Any], config: EngineConfig | None = None):

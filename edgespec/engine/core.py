@@ -13,15 +13,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from edgespec.backend import Grammar, Model, json_schema_gbnf, open_facts
+from edgespec.backend import Grammar, Model, json_schema_gbnf
 from edgespec.config import DEFAULT_FIM_LAYOUT, DEFAULT_MODEL, EngineConfig, GenerationConfig, LoadConfig
 from edgespec.decoding.costs import CostTracker, PromptRate, calibrate
 from edgespec.decoding.loop import Stats, planned
 from edgespec.decoding.policy import DRAFT_P_MIN, Costs, draft_can_pay, draft_cannot_pay
 from edgespec.decoding.rules import Rules, Start, pieces_of
-from edgespec.engine import generation
+from edgespec.engine import generation, recall
 from edgespec.engine.generation import Chunk, Completion
 from edgespec.engine.infill import AsideBuild, InfillPrompt, infill_prompt
+from edgespec.engine.recall import PromptCache
 from edgespec.engine.slots import Slot, SlotPool
 from edgespec.errors import EdgespecError, InvalidRequestError, UnsupportedModelError
 from edgespec.memory import MemoryBank, model_key, tokenizer_fingerprint
@@ -29,7 +30,7 @@ from edgespec.models import ProgressCallback
 from edgespec.onnx import runtime as ort
 from edgespec.onnx.files import is_onnx, locate
 from edgespec.paths import calibration_dir, memory_dir
-from edgespec.planning.plan import gpu_short_error, settle
+from edgespec.planning.plan import gpu_short_error, open_facts, settle
 from edgespec.prompts import chat
 from edgespec.prompts.fim import Infill, cursor_anchor
 from edgespec.proposers import Proposer
@@ -92,7 +93,7 @@ class Engine:
             self.target.close()
             raise
         self.slots = [Slot(cache, p, index=i) for i, (cache, p) in enumerate(zip(self.target.sequences, proposers))]
-        self.pool = SlotPool(self.slots, self.target.aside)
+        self.pool = SlotPool(self.slots, self.target.aside, _prompt_cache(self.config.cache_ram, self.target))
         c = self.costs  # the calibrated curve prices a prompt's new tokens, a probe a move; prefills correct both
         self.prompt_rate = PromptRate(*c.prompt_curve, self.pool.rerotation_seconds()) if c else PromptRate()
         self.target.padded = self.prompt_rate.padded  # type: ignore[method-assign]  # the sizes it pays to pad to
@@ -218,8 +219,8 @@ class Engine:
                       warm_up: bool = False) -> InfillPrompt:
         """A fill-in-the-middle prompt leaving `max_tokens` of room: sized for `budget_seconds` of prompt evaluation
         against what the slot holds, or as llama.cpp sizes it; a `warm_up` keeps the slot's FIM part (engine.infill)."""
-        return infill_prompt(self.target, self.slots, self.prompt_rate, infill, max_tokens, budget_seconds, slot,
-                             cache_reuse, layout, warm_up, self.pool.aside, self.pool.aside_lines)
+        return infill_prompt(self.target, self.pool, self.prompt_rate, infill, max_tokens, budget_seconds, slot,
+                             cache_reuse, layout, warm_up)
 
     def build_aside(self, build: AsideBuild, cancel: threading.Event, step: Callable[[int], int],
                     room: Callable[[float], bool] = lambda seconds: True) -> bool:
@@ -279,8 +280,8 @@ class Engine:
                 if slot is None:  # cancelled while it waited for a slot
                     yield Chunk("", [], [], "cancelled", Stats(prompt_tokens=len(prompt_tokens)))
                     return
-                if config.reuse_prefix and self.pool.aside is not None and self.pool.aside.tokens:
-                    self.pool.adopt(slot, lambda c: planned(c, prompt_tokens, config.cache_reuse, anchor).new)
+                if config.reuse_prefix:  # a kept prompt, or the aside, where the slot would evaluate more
+                    self.pool.ready(slot, lambda c: planned(c, prompt_tokens, config.cache_reuse, anchor))
                 for chunk in generation.remembered(slot, prompt_tokens, memory,
                                                    generation.chunks(slot, prompt_tokens, run)):
                     # a prefill in the context's batches (a background one runs in small batches, at another rate)
@@ -295,6 +296,14 @@ class Engine:
     def grammar(self, config: GenerationConfig) -> Grammar | Start | None:
         """The generation's grammar, compiled against the target's vocabulary (None without one)."""
         return grammar_of(self.target, config)
+
+
+def _prompt_cache(cache_ram: int | None, target: Model) -> PromptCache | None:
+    """The prompt cache `cache_ram` asks for (engine.recall); none for a recurrent model, whose state is kept whole
+    or not at all, or one in a child process (RPC workers)."""
+    if (limit := recall.limit_mib(cache_ram)) == 0 or not target.can_trim or isinstance(target, RemoteTarget):
+        return None
+    return PromptCache(limit)
 
 
 def grammar_of(target: Model, config: GenerationConfig) -> Grammar | Start | None:

@@ -26,8 +26,8 @@ from typing import Callable, Iterator, Sequence
 from edgespec.backend import KVSequence, Model
 from edgespec.decoding import reuse
 from edgespec.decoding.costs import PromptRate
-from edgespec.decoding.loop import planned
-from edgespec.engine.slots import Slot
+from edgespec.decoding.loop import Target, planned
+from edgespec.engine.slots import Slot, SlotPool
 from edgespec.prompts.fim import Fitted, FimPrompt, Infill, Kept, cached_lines, cursor_anchor, lines_start
 
 # New tokens a request's budget must buy after moving what the slot holds (a re-rotation of every cell of the
@@ -83,23 +83,22 @@ class InfillPrompt:
     aside: Callable[[], AsideBuild | None] = field(default=lambda: None)
 
 
-def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Infill, max_tokens: int,
+def infill_prompt(m: Model, pool: SlotPool, rate: PromptRate, infill: Infill, max_tokens: int,
                   budget_seconds: float | None = None, slot: int | None = None, cache_reuse: int = 0,
-                  layout: str = "prefix", warm_up: bool = False, aside: KVSequence | None = None,
-                  aside_lines: str = "") -> InfillPrompt:
+                  layout: str = "prefix", warm_up: bool = False) -> InfillPrompt:
     """The FIM prompt for `infill` on target `m` that leaves `max_tokens` of room, sized for `budget_seconds` of
-    prompt evaluation at `rate` (None: as llama.cpp sizes it), in `slot` or else the free slot that can reuse most
-    of it. A `warm_up` of extra chunks alone keeps the FIM part the slot holds after them (FimPrompt.warm_up).
-    `aside` holds `aside_lines` of an earlier request's prefix, evaluated afresh: the prompt may start there."""
+    prompt evaluation at `rate` (None: as llama.cpp sizes it), in `slot` or else the free slot that reuses most of
+    it, once it took back a prompt it held before that holds more (SlotPool.recall). A `warm_up` of extra chunks
+    alone keeps the slot's FIM part (FimPrompt.warm_up). The prompt may start where the pool's aside does."""
     fim = FimPrompt(m.vocab, lambda text: list(_tokens(m, text)), layout, m.token_bytes)
-    room = m.n_ctx - max_tokens
+    room, slots, aside, aside_lines = m.n_ctx - max_tokens, pool.slots, pool.aside, pool.aside_lines
 
-    def kept_of(s: Slot, tokens: list[int]) -> reuse.Reuse:  # as the generation will keep it (Engine.stream)
+    def plan(cache: Target, tokens: list[int]) -> reuse.Reuse:  # as the generation will keep it (Engine.stream)
         anchor = cursor_anchor(tokens, m.vocab, m.token_bytes) if cache_reuse else None
-        return planned(s.cache, tokens, cache_reuse, anchor)
+        return planned(cache, tokens, cache_reuse, anchor)
 
     def new_tokens(s: Slot, tokens: list[int]) -> int:
-        return kept_of(s, tokens).new
+        return plan(s.cache, tokens).new
 
     if warm_up and not (infill.prefix or infill.suffix or infill.typed):
         kept = {id(s): fim.warm_up(infill.extra, s.cache.tokens) for s in slots}
@@ -111,20 +110,22 @@ def infill_prompt(m: Model, slots: Sequence[Slot], rate: PromptRate, infill: Inf
     if budget_seconds is None or not rate.known:
         tokens, kept = fim.llama_cpp_sizes(infill, m.n_batch, m.n_ctx, max_tokens)
         chosen = _slot_for(slots, slot, lambda s: new_tokens(s, tokens))
+        pool.recall(slots[chosen], lambda c: plan(c, tokens), held=False)
         return InfillPrompt(tokens, kept, chosen, new_tokens(slots[chosen], tokens), None)
     near = rate.tokens_within(NEAR_BUDGETS * budget_seconds) or 0
     asked, infill = infill, fim.cut_long(infill, max(near, 1))  # a long line at the cursor: what is next to it
     widest = fim.fit(infill, room).tokens
     chosen = _slot_for(slots, slot, lambda s: new_tokens(s, widest))
     target = slots[chosen]
+    pool.recall(target, lambda c: plan(c, widest), held=False)
     fitted, budget = None, rate.tokens_within(budget_seconds) or 0
     plain, starts, relaxed = budget, (), None  # plain: what the budget buys where nothing moves (as in the aside)
-    if kept_of(target, widest).moved:  # moving what the slot holds costs a re-rotation before any token's price
+    if plan(target.cache, widest).moved:  # moving what the slot holds costs a re-rotation before any token's price
         moving = rate.tokens_within(budget_seconds, True) or 0
         # the one start that moves nothing is the slot's own: fit's scan may miss it
         starts = _starts(infill, cached_lines(target.cache.tokens, m.vocab, m.token_bytes))
         if moving <= MOVE_MIN_GAIN:
-            fitted, relaxed = _in_place(fim, infill, room, budget, near, lambda t: kept_of(target, t), starts)
+            fitted, relaxed = _in_place(fim, infill, room, budget, near, lambda t: plan(target.cache, t), starts)
         if not fitted:  # the move's price comes first, for the nearest lines too
             budget, near = moving, rate.tokens_within(NEAR_BUDGETS * budget_seconds, True) or 0
     fitted = fitted or fim.fit(infill, room, max(budget, 1), lambda t: new_tokens(target, t), starts, near)

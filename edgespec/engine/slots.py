@@ -7,6 +7,9 @@ cycle each, in arrival order (`FairLock`), so a long answer does not hold an edi
 Beside the slots, one more sequence (the aside) is built while nobody waits: a context wider than a request could
 afford, evaluated afresh. A slot takes it whole, by exchanging sequences, when a prompt keeps more of it; or, where
 the aside holds the lines before a slot's own, they are put in front of them (join_front).
+
+What a slot held before a request replaced most of it is kept in host memory, and taken back by a later request
+that keeps more of it (recall; engine.recall).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from typing import Callable, Generator, Iterator, Sequence
 
 from edgespec.backend import KVSequence
 from edgespec.decoding import loop
+from edgespec.decoding.reuse import Reuse
+from edgespec.engine.recall import KEEP_BELOW, Kept, PromptCache
 from edgespec.proposers import Proposer
 
 SLOT_POLL_SECONDS = 0.1  # a generation waiting for a slot checks its cancel event this often
@@ -62,9 +67,11 @@ class FairLock:
 class SlotPool:
     """The engine's slots, the lock that gives the target to one cycle at a time, and the generations under way."""
 
-    def __init__(self, slots: Sequence[Slot], aside: KVSequence | None = None) -> None:
+    def __init__(self, slots: Sequence[Slot], aside: KVSequence | None = None,
+                 prompts: PromptCache | None = None) -> None:
         self.slots = list(slots)
         self.aside = aside  # None where the model has none (backend.Model.aside)
+        self.prompts = prompts  # what slots held before, in host memory (engine.recall); None: none kept
         self.aside_lines = ""  # what the aside's builder last asked it to hold, in its own terms (engine.infill)
         self._free = threading.Condition()  # guards Slot.busy; notified when a slot is released
         self._turn = FairLock()  # one target pass at a time: generations in other slots interleave by cycle
@@ -155,12 +162,39 @@ class SlotPool:
             aside.trim(0)
         return max(0.0, shifted - plain)
 
+    def recall(self, slot: Slot, plan: Callable[[KVSequence | Kept], Reuse], held: bool = True) -> bool:
+        """Before a prompt that keeps less than half of what `slot` holds runs there (`plan` prices a cache for it),
+        keep that in the prompt cache; start the slot from a kept prompt where that leaves fewer tokens to evaluate.
+        Whether it did. Unless the caller `held` the slot, only where it is free."""
+        if self.prompts is None:
+            return False
+        with contextlib.nullcontext() if held else self._free, self._turn:
+            if not held and slot.busy:
+                return False
+            cache, now = slot.cache, plan(slot.cache)
+            best = self.prompts.best(lambda k: plan(k).new, now.new)
+            if best is not None or now.reused < KEEP_BELOW * cache.n_past:
+                self.prompts.keep(cache)
+            if best is None or not cache.restore(best.tokens, best.data):
+                return False
+            self.prompts.take(best)
+            return True
+
+    def ready(self, slot: Slot, plan: Callable[[KVSequence | Kept], Reuse]) -> None:
+        """Before a generation in `slot` evaluates the prompt `plan` prices a cache for: a kept prompt (recall), then
+        the aside (adopt), taken where the slot would evaluate more."""
+        self.recall(slot, plan)
+        if self.aside is not None and self.aside.tokens:
+            self.adopt(slot, lambda c: plan(c).new)
+
     def adopt(self, slot: Slot, new_tokens: Callable[[KVSequence], int]) -> None:
         """Give `slot` the aside where its prompt has fewer `new_tokens` to evaluate there; the slot's old sequence,
         emptied, becomes the aside."""
         with self._turn:
             if self.aside is not None and new_tokens(self.aside) < new_tokens(slot.cache):
                 slot.cache, self.aside = self.aside, slot.cache
+                if self.prompts is not None:  # what the slot held goes whole
+                    self.prompts.keep(self.aside)
                 self.aside.trim(0)
 
     def turns(self, steps: Iterator[loop.Step]) -> Generator[loop.Step, None, None]:

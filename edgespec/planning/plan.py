@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from edgespec.backend import read_facts
+from edgespec.backend import Model
 from edgespec.devices import devices
 from edgespec.gguf import ModelFacts
 from edgespec.config import DEFAULT_N_CTX, EngineConfig, LoadConfig
@@ -23,6 +23,16 @@ from edgespec.planning import budget
 from edgespec.planning.budget import ModelMemory, Plan
 from edgespec.planning.remote import Link, Spread, spreads
 from edgespec.remote import probe
+
+
+def open_facts(path: str | Path) -> Model:
+    """A GGUF's facts and vocabulary without a context: weights mapped and not repacked, so this is quick."""
+    return Model(path, LoadConfig(n_ctx=256, n_threads=1, n_gpu_layers=0), facts_only=True)
+
+
+def read_facts(path: str | Path) -> ModelFacts:
+    with open_facts(path) as m:
+        return m.facts
 
 
 def memory_of(f: ModelFacts) -> ModelMemory:

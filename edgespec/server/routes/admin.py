@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any
 
 from starlette.requests import Request
@@ -9,7 +10,6 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from edgespec import __version__
-from edgespec.backend import library_version
 from edgespec.config import LLAMA_N_PREDICT, LLAMA_TEMPERATURE
 from edgespec.server import metrics, schemas
 from edgespec.server.http import guard
@@ -57,7 +57,7 @@ class AdminRoutes:
             "chat_template": m.facts.chat_template or "",
             "bos_token": m.token_text(m.vocab.bos) if m.vocab.bos is not None else "",
             "eos_token": m.token_text(m.vocab.eos) if m.vocab.eos is not None else "",
-            "build_info": f"edgespec {__version__}, llama-cpp-python {library_version()}",
+            "build_info": f"edgespec {__version__}, llama-cpp-python {importlib.metadata.version('llama_cpp_python')}",
             "speculative": {"proposer": eng.config.proposer, "k_max": eng.plan.k_max,
                             "draft": eng.config.draft, "draft_loaded": eng.draft_loaded,
                             "memory": eng.memory is not None},

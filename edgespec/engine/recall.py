@@ -1,0 +1,79 @@
+"""Prompts kept in host memory after their slot moved on (llama-server's prompt cache, `--cache-ram`).
+
+An editor that goes back to a file, or a client back to an earlier conversation, finds what its slot held then:
+the KV entries are copied out (KVSequence.saved) when a request would keep less than half of what the slot holds,
+as llama-server does, and copied back into the slot when a later request has fewer tokens to evaluate there. The
+bytes are llama.cpp's own, so what comes back is exactly what was evaluated. Least recently used go first past the
+limit. Pure bookkeeping here; SlotPool.recall decides when, under the pool's locks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import psutil
+
+from edgespec.config import DEFAULT_CACHE_RAM_MIB
+
+KEEP_BELOW = 0.5  # a slot's prompt is kept when a request would keep less than this share of it (llama-server's)
+MIB = 1 << 20
+
+
+class Saving(Protocol):
+    tokens: list[int]
+    can_shift: bool
+
+    def saved(self) -> object | None: ...
+
+
+@dataclass(eq=False)
+class Kept:
+    """A prompt a slot held, and llama.cpp's copy of its KV entries; priced as a cache would be (decoding.loop)."""
+
+    tokens: list[int]
+    data: Sequence  # the bytes KVSequence.saved gave
+    can_shift: bool
+
+
+def limit_mib(asked: int | None) -> int:
+    """EngineConfig.cache_ram as it applies on this machine."""
+    return min(DEFAULT_CACHE_RAM_MIB, psutil.virtual_memory().total // 8 // MIB) if asked is None else asked
+
+
+class PromptCache:
+    """Kept prompts, least recently used first, within `limit_mib` of host memory (-1: no limit)."""
+
+    def __init__(self, limit_mib: int) -> None:
+        self.limit = None if limit_mib < 0 else limit_mib * MIB
+        self.kept: list[Kept] = []
+
+    @property
+    def size(self) -> int:
+        return sum(len(k.data) for k in self.kept)
+
+    def keep(self, seq: Saving) -> bool:
+        """Keep what `seq` holds, unless a kept prompt starts with all of it; kept prompts it holds all of go.
+        Whether it was kept."""
+        tokens = seq.tokens
+        if not tokens or any(k.tokens[:len(tokens)] == tokens for k in self.kept):
+            return False
+        data = seq.saved()
+        if data is None or (self.limit is not None and len(data) > self.limit):
+            return False
+        self.kept = [k for k in self.kept if tokens[:len(k.tokens)] != k.tokens]
+        self.kept.append(Kept(list(tokens), data, seq.can_shift))
+        while self.limit is not None and self.size > self.limit:
+            self.kept.pop(0)
+        return True
+
+    def best(self, new_tokens: Callable[[Kept], int], than: int) -> Kept | None:
+        """The kept prompt that leaves the fewest `new_tokens` to evaluate, where that is fewer than `than`."""
+        priced = [(new_tokens(k), -i) for i, k in enumerate(self.kept)]  # the most recent among equals
+        n, i = min(priced, default=(than, 0))
+        return self.kept[-i] if n < than else None
+
+    def take(self, kept: Kept) -> None:
+        """`kept` went back into a slot: the slot holds it now."""
+        if kept in self.kept:
+            self.kept.remove(kept)

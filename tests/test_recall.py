@@ -1,0 +1,135 @@
+"""Prompts kept in host memory after a slot moved on (engine.recall, `--cache-ram`): the bookkeeping, llama.cpp's
+copy of a sequence put back exactly, and an editor and a client that come back to what they had, on a real server."""
+
+from __future__ import annotations
+
+import httpx
+import llama_cpp
+import numpy as np
+import pytest
+
+from edgespec.backend import Model
+from edgespec.config import EngineConfig, LoadConfig
+from edgespec.engine.recall import PromptCache
+
+FILE_A = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(60))
+FILE_B = "".join(f"class Point{i}:\n    x = {i * 3}\n    y = {i % 5}\n" for i in range(40))
+
+
+class FakeSeq:
+    """What PromptCache reads of a sequence: its tokens and a copy of its entries (here, one byte a token)."""
+
+    can_shift = True
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def saved(self) -> bytes:
+        return bytes(len(self.tokens))
+
+
+def test_the_cache_keeps_each_prompt_once_and_drops_the_least_recently_used_past_its_limit():
+    cache = PromptCache(0)
+    cache.limit = 10  # bytes: FakeSeq's copies are a byte a token
+    assert cache.keep(FakeSeq([1, 2, 3, 4]))
+    assert not cache.keep(FakeSeq([1, 2]))  # a kept prompt starts with all of it
+    assert cache.keep(FakeSeq([1, 2, 3, 4, 5, 6]))  # holds all of the first, which goes
+    assert [k.tokens for k in cache.kept] == [[1, 2, 3, 4, 5, 6]]
+    assert cache.keep(FakeSeq([7, 8, 9]))
+    assert cache.keep(FakeSeq([10, 11]))  # 6 + 3 + 2 bytes: the oldest goes
+    assert [k.tokens for k in cache.kept] == [[7, 8, 9], [10, 11]]
+    assert not cache.keep(FakeSeq(list(range(20, 31))))  # larger than the whole limit
+    assert not cache.keep(FakeSeq([]))
+
+
+def test_the_best_kept_prompt_is_taken_only_where_it_leaves_fewer_tokens_to_evaluate():
+    cache = PromptCache(-1)
+    assert cache.limit is None
+    for tokens in ([1, 2, 3], [4, 5, 6, 7], [8], [9, 10, 11, 12]):
+        cache.keep(FakeSeq(tokens))
+    new = lambda k: 10 - len(k.tokens)  # noqa: E731 - a longer prompt leaves fewer to evaluate
+    assert cache.best(new, than=7).tokens == [9, 10, 11, 12]  # the most recent of two that leave 6
+    assert cache.best(new, than=6) is None  # not fewer than the slot would evaluate
+    cache.take(cache.kept[3])
+    assert cache.best(new, than=7).tokens == [4, 5, 6, 7]
+    assert [k.tokens for k in cache.kept] == [[1, 2, 3], [4, 5, 6, 7], [8]]
+
+
+def test_a_sequence_saved_then_restored_holds_exactly_what_it_held(smollm_path):
+    """The copy is llama.cpp's own bytes: after another prompt took the sequence and the copy came back, the next
+    token's logits are identical to those before (the same kernels, the same batch shape)."""
+    with Model(smollm_path, LoadConfig(n_ctx=1024, n_seq=1)) as m:
+        s = m.sequences[0]
+        a, b = m.tokenize(FILE_A[:600]), m.tokenize(FILE_B[:900])
+        s.evaluate(a)
+        before = s.decode([a[-1]]).copy()
+        s.trim(len(a))
+        data = s.saved()
+        assert data is not None and len(data) > 0
+        s.trim(0)
+        s.evaluate(b)
+        assert s.restore(a, data) and s.tokens == a
+        assert llama_cpp.llama_memory_seq_pos_min(m._mem, 0) == 0 and s.pos_max() == len(a) - 1
+        assert np.array_equal(s.decode([a[-1]]), before)
+
+
+def test_a_sequence_with_a_move_waiting_for_its_rerotation_is_not_saved(smollm_path):
+    with Model(smollm_path, LoadConfig(n_ctx=1024, n_seq=1)) as m:
+        s = m.sequences[0]
+        lines = m.tokenize(FILE_A[:400], add_special=False)
+        s.evaluate(lines)
+        # the run after the first 8 tokens moved to the front, stopped before the decode that would rotate it
+        assert s.evaluate(lines[8:] + lines[:1], [(0, 8, len(lines) - 8)], stop=lambda: True, step=1) is None
+        assert m._shifted and s.tokens == lines[8:] and s.saved() is None
+        s.decode([lines[-1]])
+        assert not m._shifted and s.saved() is not None
+
+
+def test_cache_ram_below_minus_one_is_refused_with_the_fix():
+    with pytest.raises(Exception, match=r"cache RAM -2 MiB must be >= -1.*--cache-ram"):
+        EngineConfig(cache_ram=-2)
+
+
+@pytest.fixture(scope="module")
+def server(qwen_draft_path):
+    from test_server import Server
+
+    s = Server(qwen_draft_path, "--ctx", "4096", "--slots", "1")
+    yield s
+    s.stop()
+
+
+def infill(server, text: str, **fields) -> dict:
+    body = {"input_prefix": text, "input_suffix": "\n", "prompt": "", "n_predict": 2, "temperature": 0,
+            "cache_prompt": True, **fields}
+    r = httpx.post(server.url + "/infill", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_an_editor_back_at_a_file_gets_the_context_it_had_within_its_budget(server):
+    """File A read whole (no budget), then file B on a cold cache with a budget: cut narrow. Back at A with the
+    same budget, the slot takes A's entries back from host memory, so A's wide context comes at a handful of tokens
+    (without the prompt cache the slot holds B, and the budget buys what it bought for B)."""
+    whole = infill(server, FILE_A)
+    assert whole["timings"]["prompt_n"] > 300  # 3/4 of the batch of 512, as llama.cpp cuts it
+    cold = infill(server, FILE_B, t_max_prompt_ms=300)
+    assert cold["truncated"] is True
+    back = infill(server, FILE_A, t_max_prompt_ms=300)
+    kept, given = back["infill"]["prefix_tokens"]
+    assert kept >= whole["infill"]["prefix_tokens"][0] - 16, (whole["infill"], back["infill"])
+    assert kept > 4 * cold["infill"]["prefix_tokens"][0], (cold["infill"], back["infill"])
+    assert back["timings"]["prompt_n"] <= max(back["infill"]["budget_tokens"], 16), back["timings"]
+    assert back["tokens_cached"] >= kept - 16  # the cursor line's tokens may be evaluated again
+
+
+def test_a_client_back_at_an_earlier_prompt_evaluates_only_what_it_added(server):
+    def complete(prompt: str) -> dict:
+        body = {"prompt": prompt, "n_predict": 1, "temperature": 0, "cache_prompt": True}
+        return httpx.post(server.url + "/completion", json=body, timeout=300).json()
+
+    first = complete(FILE_B)
+    complete(FILE_A)  # keeps none of B: B goes to host memory
+    again = complete(FILE_B + "class Extra:\n")
+    assert again["timings"]["prompt_n"] <= 8, again["timings"]
+    assert again["timings"]["cache_n"] >= first["timings"]["prompt_n"] - 2

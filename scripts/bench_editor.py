@@ -3,7 +3,8 @@ llama-server, built from the llama.cpp that llama-cpp-python vendors (scripts/ll
 
 A session walks the cursor down real source files, line by line: a completion right after the indent, another
 half-way through the line (the user typed on), and the editor's speculative request (the suggestion taken as
-accepted), which both editors send the moment they show a suggestion. Chunks of other files go into the ring of
+accepted), which both editors send the moment they show a suggestion. A file named again in --files is a return to
+it, further down, as a user goes back to a file after working in another. Chunks of other files go into the ring of
 extra context, announced by the editor's warm-up request (n_predict 0, fire and forget), the ring dropping its
 oldest chunk when full. The bodies are the editors' own (tests/clients/llama_vim.json, llama_vscode.json), with
 their default windows (256 lines before the cursor, 64 after).
@@ -14,9 +15,9 @@ user's think time since its last answer (--think): CPU time alike, and the pause
 for a user. edgespec starts each run with an empty memory (a new project's first session), so
 what it remembers is this run's own answers. Reported per server: median and p90 latency of the requests the user
 waits on, prompt tokens evaluated per request (timings.prompt_n), completions that agree with the file's real next
-text for at least 4 characters (of llama.vscode's 3, the first it shows; how many of them came in each file's first
-COLD_FIRST completions, on a cold cache, and how many after), and answers slower than t_max_prompt_ms +
-t_max_predict_ms + 1 s.
+text for at least 4 characters (of llama.vscode's 3, the first it shows; how many of them came in the first
+COLD_FIRST completions of each visit to a file, on a cold cache or one kept from before, and how many after), and
+answers slower than t_max_prompt_ms + t_max_predict_ms + 1 s.
 
     python scripts/llama_tools.py --server          # once: about 20 minutes on 2 cores
     python scripts/bench_editor.py --out bench-results/editor.json
@@ -56,7 +57,7 @@ from edgespec.paths import MEMORY_ENV  # noqa: E402
 N_PREFIX, N_SUFFIX = 256, 64  # both editors' default windows, in lines
 RING_CHUNK_LINES = 32
 RING_SIZE, RING_EVERY = 8, 4  # chunks the ring holds, and lines walked between new ones (--ring-size, --ring-every)
-COLD_FIRST = 3  # a file's first completions, counted apart in the right ones (`right`)
+COLD_FIRST = 3  # a visit's first completions in a file, counted apart in the right ones (`right`)
 VIM_FIELDS = ["content", "timings/prompt_n", "timings/prompt_ms", "timings/prompt_per_token_ms",
               "timings/prompt_per_second", "timings/predicted_n", "timings/predicted_ms",
               "timings/predicted_per_token_ms", "timings/predicted_per_second", "truncated", "tokens_cached"]
@@ -422,15 +423,16 @@ def summary(peers: list[Peer], flavour: str) -> list[str]:
 
 
 def right(fims: list[Record]) -> str:
-    """Completions right for at least 4 characters, of all; then how many of them came in each file's first
-    COLD_FIRST completions (a cold cache: what a budget buys there is narrow) and how many after."""
-    seen: dict[str, int] = {}
-    cold = warm = 0
+    """Completions right for at least 4 characters, of all; then how many of them came in the first COLD_FIRST
+    completions of each visit to a file (the session came from another file: a cold cache, or one kept from an
+    earlier visit) and how many after."""
+    cold = warm = n = 0
+    last = None
     for r in fims:
         file = r.where.rsplit(":", 2)[0]
-        seen[file] = seen.get(file, 0) + 1
+        n, last = (n + 1 if file == last else 1), file
         if r.agree >= 4:
-            cold, warm = (cold + 1, warm) if seen[file] <= COLD_FIRST else (cold, warm + 1)
+            cold, warm = (cold + 1, warm) if n <= COLD_FIRST else (cold, warm + 1)
     return f"{cold + warm}/{len(fims)} ({cold} + {warm})"
 
 
@@ -446,7 +448,8 @@ def parse_files(specs: list[str]) -> list[tuple[Path, int, int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b")
-    ap.add_argument("--files", nargs="+", default=list(DEFAULT_FILES), help="PATH:FIRST_LINE:LINES, walked in order")
+    ap.add_argument("--files", nargs="+", default=list(DEFAULT_FILES),
+                    help="PATH:FIRST_LINE:LINES, walked in order; a file named again is a return to it")
     ap.add_argument("--ring", nargs="+", default=list(DEFAULT_RING), help="files whose chunks fill the ring")
     ap.add_argument("--ring-size", type=int, default=RING_SIZE)
     ap.add_argument("--ring-every", type=int, default=RING_EVERY, help="a new ring chunk (and a warm-up) every N lines")
@@ -470,7 +473,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}, "runs": {}}
     table = ["| session | server | requests | median | p90 | prompt tokens evaluated (mean) | right ≥ 4 chars "
-             f"(a file's first {COLD_FIRST} + after) | over budget + 1 s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+             f"(a visit's first {COLD_FIRST} + after) | over budget + 1 s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for flavour in args.flavours:
         # edgespec's memory of what it wrote starts empty: earlier runs over the same files would draft the answers
         memory = tempfile.TemporaryDirectory(prefix="bench-editor-memory-")

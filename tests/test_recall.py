@@ -10,7 +10,7 @@ import pytest
 
 from edgespec.backend import Model
 from edgespec.config import EngineConfig, LoadConfig
-from edgespec.engine.recall import PromptCache
+from edgespec.engine.recall import MIN_GAIN, PromptCache
 
 FILE_A = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(60))
 FILE_B = "".join(f"class Point{i}:\n    x = {i * 3}\n    y = {i % 5}\n" for i in range(40))
@@ -28,31 +28,36 @@ class FakeSeq:
         return bytes(len(self.tokens))
 
 
+def seq(start: int, n: int) -> FakeSeq:
+    return FakeSeq(list(range(start, start + n)))
+
+
 def test_the_cache_keeps_each_prompt_once_and_drops_the_least_recently_used_past_its_limit():
     cache = PromptCache(0)
-    cache.limit = 10  # bytes: FakeSeq's copies are a byte a token
-    assert cache.keep(FakeSeq([1, 2, 3, 4]))
-    assert not cache.keep(FakeSeq([1, 2]))  # a kept prompt starts with all of it
-    assert cache.keep(FakeSeq([1, 2, 3, 4, 5, 6]))  # holds all of the first, which goes
-    assert [k.tokens for k in cache.kept] == [[1, 2, 3, 4, 5, 6]]
-    assert cache.keep(FakeSeq([7, 8, 9]))
-    assert cache.keep(FakeSeq([10, 11]))  # 6 + 3 + 2 bytes: the oldest goes
-    assert [k.tokens for k in cache.kept] == [[7, 8, 9], [10, 11]]
-    assert not cache.keep(FakeSeq(list(range(20, 31))))  # larger than the whole limit
-    assert not cache.keep(FakeSeq([]))
+    cache.limit = 1000  # bytes: FakeSeq's copies are a byte a token
+    assert cache.keep(seq(0, 300))
+    assert not cache.keep(seq(0, 200))  # a kept prompt starts with all of it
+    assert cache.keep(seq(0, 400))  # holds all of the first, which goes
+    assert [len(k.tokens) for k in cache.kept] == [400]
+    assert cache.keep(seq(1000, 300))
+    assert cache.keep(seq(2000, 350))  # 400 + 300 + 350 bytes: the oldest goes
+    assert [k.tokens[0] for k in cache.kept] == [1000, 2000]
+    assert not cache.keep(seq(3000, 1001))  # larger than the whole limit
+    assert not cache.keep(seq(4000, MIN_GAIN - 1))  # too short ever to come back
+    assert [k.tokens[0] for k in cache.kept] == [1000, 2000]
 
 
-def test_the_best_kept_prompt_is_taken_only_where_it_leaves_fewer_tokens_to_evaluate():
+def test_the_best_kept_prompt_comes_back_only_where_it_saves_enough_evaluation():
     cache = PromptCache(-1)
     assert cache.limit is None
-    for tokens in ([1, 2, 3], [4, 5, 6, 7], [8], [9, 10, 11, 12]):
-        cache.keep(FakeSeq(tokens))
-    new = lambda k: 10 - len(k.tokens)  # noqa: E731 - a longer prompt leaves fewer to evaluate
-    assert cache.best(new, than=7).tokens == [9, 10, 11, 12]  # the most recent of two that leave 6
-    assert cache.best(new, than=6) is None  # not fewer than the slot would evaluate
+    for start, n in ((0, 200), (1000, 400), (2000, 150), (3000, 400)):
+        cache.keep(seq(start, n))
+    new = lambda k: 1000 - len(k.tokens)  # noqa: E731 - a longer prompt leaves fewer to evaluate
+    assert cache.best(new, than=600 + MIN_GAIN).tokens[0] == 3000  # the most recent of two that leave 600
+    assert cache.best(new, than=600 + MIN_GAIN - 1) is None  # it would save too little
     cache.take(cache.kept[3])
-    assert cache.best(new, than=7).tokens == [4, 5, 6, 7]
-    assert [k.tokens for k in cache.kept] == [[1, 2, 3], [4, 5, 6, 7], [8]]
+    assert cache.best(new, than=600 + MIN_GAIN).tokens[0] == 1000
+    assert [k.tokens[0] for k in cache.kept] == [0, 1000, 2000]
 
 
 def test_a_sequence_saved_then_restored_holds_exactly_what_it_held(smollm_path):

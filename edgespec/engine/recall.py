@@ -17,6 +17,10 @@ import psutil
 from edgespec.config import DEFAULT_CACHE_RAM_MIB
 
 KEEP_BELOW = 0.5  # a slot's prompt is kept when a request would keep less than this share of it (llama-server's)
+# A kept prompt comes back only where it leaves at least this many fewer tokens to evaluate than what the slot holds
+# (so none shorter is kept): a budgeted /infill is sized before its generation takes the slot, against its widest
+# prompt, and small gains there flipped a slot between two prompts of one file (docs/bench/editor.md).
+MIN_GAIN = 128
 MIB = 1 << 20
 
 
@@ -53,10 +57,10 @@ class PromptCache:
         return sum(len(k.data) for k in self.kept)
 
     def keep(self, seq: Saving) -> bool:
-        """Keep what `seq` holds, unless a kept prompt starts with all of it; kept prompts it holds all of go.
-        Whether it was kept."""
+        """Keep what `seq` holds, unless it is under MIN_GAIN tokens or a kept prompt starts with all of it; kept
+        prompts it holds all of go. Whether it was kept."""
         tokens = seq.tokens
-        if not tokens or any(k.tokens[:len(tokens)] == tokens for k in self.kept):
+        if len(tokens) < MIN_GAIN or any(k.tokens[:len(tokens)] == tokens for k in self.kept):
             return False
         data = seq.saved()
         if data is None or (self.limit is not None and len(data) > self.limit):
@@ -68,10 +72,10 @@ class PromptCache:
         return True
 
     def best(self, new_tokens: Callable[[Kept], int], than: int) -> Kept | None:
-        """The kept prompt that leaves the fewest `new_tokens` to evaluate, where that is fewer than `than`."""
+        """The kept prompt that leaves the fewest `new_tokens` to evaluate, where that is MIN_GAIN fewer than `than`."""
         priced = [(new_tokens(k), -i) for i, k in enumerate(self.kept)]  # the most recent among equals
         n, i = min(priced, default=(than, 0))
-        return self.kept[-i] if n < than else None
+        return self.kept[-i] if n <= than - MIN_GAIN else None
 
     def take(self, kept: Kept) -> None:
         """`kept` went back into a slot: the slot holds it now."""

@@ -191,10 +191,7 @@ class Model(FirstSequence):
         self.aside = KVSequence(self, cfg.n_seq + PARKS) if aside else None
         self._pieces: dict[int, bytes] = {}
 
-    # -- decoding: sequence 0 (FirstSequence), and its last position ---------------
-
-    def pos_max(self) -> int:
-        return self.sequences[0].pos_max()
+    # -- decoding: sequence 0 (FirstSequence) ---------------------------------------
 
     def _set_batch_seq(self, seq: int) -> None:
         if seq != self._batch_seq:
@@ -491,11 +488,14 @@ class KVSequence(KeptRow):
         return dropped
 
     def saved(self) -> ctypes.Array | None:
-        """A host copy of its KV entries (engine.recall); None when empty, or while moved keys await re-rotation."""
-        if not self.tokens or self.model._shifted:
-            return None
+        """A host copy of its KV entries (engine.recall), moved keys rotated first; None when it holds none."""
+        if self.tokens and self.model._shifted:  # a decode rotates them, as the next would: its last token's again
+            last = self.tokens[-1]
+            self.trim(self.n_past - 1)
+            self.decode([last], 0)
         data = (ctypes.c_uint8 * llama_cpp.llama_state_seq_get_size(self.model._ctx, self.seq_id))()
-        return data if llama_cpp.llama_state_seq_get_data(self.model._ctx, data, len(data), self.seq_id) else None
+        got = self.tokens and llama_cpp.llama_state_seq_get_data(self.model._ctx, data, len(data), self.seq_id)
+        return data if got else None
 
     def restore(self, tokens: Sequence[int], data: ctypes.Array) -> bool:
         """Hold `tokens` again from the copy `saved` made of them; whether llama.cpp found cells (else none held)."""

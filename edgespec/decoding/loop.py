@@ -119,6 +119,9 @@ class FirstSequence:
     def trim(self, n_keep: int) -> int:
         return self.sequences[0].trim(n_keep)
 
+    def pos_max(self) -> int:
+        return self.sequences[0].pos_max()
+
     def prompt_row(self, prompt: Sequence[int]) -> np.ndarray | None:
         return self.sequences[0].prompt_row(prompt)
 

@@ -10,7 +10,8 @@ import pytest
 
 from edgespec.backend import Model
 from edgespec.config import EngineConfig, LoadConfig
-from edgespec.engine.recall import MIN_GAIN, PromptCache
+from edgespec.decoding import reuse
+from edgespec.engine.recall import MIN_GAIN, PromptCache, replaces
 
 FILE_A = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(60))
 FILE_B = "".join(f"class Point{i}:\n    x = {i * 3}\n    y = {i % 5}\n" for i in range(40))
@@ -58,6 +59,14 @@ def test_the_best_kept_prompt_comes_back_only_where_it_saves_enough_evaluation()
     cache.take(cache.kept[3])
     assert cache.best(new, than=600 + MIN_GAIN).tokens[0] == 1000
     assert [k.tokens[0] for k in cache.kept] == [0, 1000, 2000]
+
+
+def test_a_slot_is_kept_where_a_prompt_replaces_most_of_what_follows_the_prefix_they_share():
+    ring = reuse.Run(0, 0, 300)  # an editor's ring chunks, the same in both
+    assert replaces(reuse.Reuse((ring,), 900), held=600)  # a new file after the ring: the old one's 300 go
+    assert not replaces(reuse.Reuse((ring, reuse.Run(310, 305, 250)), 900), held=600)  # the same file, slid
+    assert replaces(reuse.Reuse((reuse.Run(0, 0, 5),), 900), held=600)  # nothing shared but the FIM token
+    assert not replaces(reuse.Reuse((ring,), 900), held=300 + MIN_GAIN - 1)  # too little after the ring to keep
 
 
 def test_a_sequence_saved_then_restored_holds_exactly_what_it_held(smollm_path):

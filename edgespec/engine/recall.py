@@ -1,8 +1,9 @@
 """Prompts kept in host memory after their slot moved on (llama-server's prompt cache, `--cache-ram`).
 
 An editor that goes back to a file, or a client back to an earlier conversation, finds what its slot held then:
-the KV entries are copied out (KVSequence.saved) when a request would keep less than half of what the slot holds,
-as llama-server does, and copied back into the slot when a later request has fewer tokens to evaluate there. The
+the KV entries are copied out (KVSequence.saved) when a request would keep less than half of what the slot holds
+after the prefix they share, as llama-server does for the whole, and copied back into the slot when a later request
+has at least MIN_GAIN fewer tokens to evaluate there. The
 bytes are llama.cpp's own, so what comes back is exactly what was evaluated. Least recently used go first past the
 limit. Pure bookkeeping here; SlotPool.recall decides when, under the pool's locks.
 """
@@ -15,8 +16,11 @@ from typing import Callable, Protocol, Sequence
 import psutil
 
 from edgespec.config import DEFAULT_CACHE_RAM_MIB
+from edgespec.decoding.reuse import Reuse
 
-KEEP_BELOW = 0.5  # a slot's prompt is kept when a request would keep less than this share of it (llama-server's)
+# A slot's prompt is kept when a request would keep less than this share of it (llama-server's rule), counted after
+# the prefix both share: an editor's ring chunks, or a system prompt, must not make a new file look like the old.
+KEEP_BELOW = 0.5
 # A kept prompt comes back only where it leaves at least this many fewer tokens to evaluate than what the slot holds
 # (so none shorter is kept): a budgeted /infill is sized before its generation takes the slot, against its widest
 # prompt, and small gains there flipped a slot between two prompts of one file (docs/bench/editor.md).
@@ -38,6 +42,14 @@ class Kept:
     tokens: list[int]
     data: Sequence  # the bytes KVSequence.saved gave
     can_shift: bool
+
+
+def replaces(kept: Reuse, held: int) -> bool:
+    """Whether a prompt that keeps `kept` of the `held` tokens a slot holds replaces most of what follows the prefix
+    they share, at least MIN_GAIN tokens of it: then the slot's prompt is worth keeping."""
+    first = kept.runs[0] if kept.runs else None
+    shared = first.length if first is not None and first.start == first.source == 0 else 0
+    return held - shared >= MIN_GAIN and kept.reused - shared < KEEP_BELOW * (held - shared)
 
 
 def limit_mib(asked: int | None) -> int:

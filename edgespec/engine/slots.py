@@ -24,7 +24,7 @@ from typing import Callable, Generator, Iterator, Sequence
 from edgespec.backend import KVSequence
 from edgespec.decoding import loop
 from edgespec.decoding.reuse import Reuse
-from edgespec.engine.recall import KEEP_BELOW, Kept, PromptCache
+from edgespec.engine.recall import Kept, PromptCache, replaces
 from edgespec.proposers import Proposer
 
 SLOT_POLL_SECONDS = 0.1  # a generation waiting for a slot checks its cancel event this often
@@ -163,9 +163,11 @@ class SlotPool:
         return max(0.0, shifted - plain)
 
     def recall(self, slot: Slot, plan: Callable[[KVSequence | Kept], Reuse], held: bool = True) -> bool:
-        """Before a prompt that keeps less than half of what `slot` holds runs there (`plan` prices a cache for it),
-        keep that in the prompt cache; start the slot from a kept prompt where that leaves fewer tokens to evaluate.
-        Whether it did. Unless the caller `held` the slot, only where it is free."""
+        """Start `slot` from a kept prompt where that leaves fewer tokens to evaluate for the prompt `plan` prices a
+        cache for, keeping what the slot held; else, where the caller `held` the slot for a generation of that
+        prompt, keep what the slot holds if the prompt replaces it (engine.recall). Whether a kept prompt came back.
+        Unless `held`, only where the slot is free: a budget is sized against its widest prompt, which may keep
+        little of a slot that its own prompt keeps."""
         if self.prompts is None:
             return False
         with contextlib.nullcontext() if held else self._free, self._turn:
@@ -173,7 +175,7 @@ class SlotPool:
                 return False
             cache, now = slot.cache, plan(slot.cache)
             best = self.prompts.best(lambda k: plan(k).new, now.new)
-            if best is not None or now.reused < KEEP_BELOW * cache.n_past:
+            if best is not None or (held and replaces(now, cache.n_past)):
                 self.prompts.keep(cache)
             if best is None or not cache.restore(best.tokens, best.data):
                 return False

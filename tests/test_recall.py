@@ -15,6 +15,8 @@ from edgespec.engine.recall import MIN_GAIN, PromptCache, replaces
 
 FILE_A = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(60))
 FILE_B = "".join(f"class Point{i}:\n    x = {i * 3}\n    y = {i % 5}\n" for i in range(40))
+FILE_C = "".join(f"fn step{i}(x: u32) -> u32 {{\n    x * {i} + {i % 3}\n}}\n" for i in range(50))
+RING = [{"filename": "lib.js", "text": "".join(f"const v{i} = compute({i}, {i * 7});\n" for i in range(80))}]
 
 
 class FakeSeq:
@@ -129,19 +131,20 @@ def infill(server, text: str, **fields) -> dict:
 
 
 def test_an_editor_back_at_a_file_gets_the_context_it_had_within_its_budget(server):
-    """File A read whole (no budget), then file B on a cold cache with a budget: cut narrow. Back at A with the
-    same budget, the slot takes A's entries back from host memory, so A's wide context comes at a handful of tokens
-    (without the prompt cache the slot holds B, and the budget buys what it bought for B)."""
+    """File A read whole (no budget), then file B with another file's chunks before it (the editor's ring), read
+    whole too. Back at A with a budget (and the ring), the slot takes A's entries back from host memory: the ring
+    it holds does not count against them, since a budget takes a file's lines first. So A's wide context comes at a
+    handful of tokens, where a file new to the slot (C) gets what the budget buys."""
     whole = infill(server, FILE_A)
     assert whole["timings"]["prompt_n"] > 300  # 3/4 of the batch of 512, as llama.cpp cuts it
-    cold = infill(server, FILE_B, t_max_prompt_ms=300)
-    assert cold["truncated"] is True
-    back = infill(server, FILE_A, t_max_prompt_ms=300)
+    infill(server, FILE_B, input_extra=RING)
+    back = infill(server, FILE_A, t_max_prompt_ms=300, input_extra=RING)
     kept, given = back["infill"]["prefix_tokens"]
     assert kept >= whole["infill"]["prefix_tokens"][0] - 16, (whole["infill"], back["infill"])
-    assert kept > 4 * cold["infill"]["prefix_tokens"][0], (cold["infill"], back["infill"])
     assert back["timings"]["prompt_n"] <= max(back["infill"]["budget_tokens"], 16), back["timings"]
     assert back["tokens_cached"] >= kept - 16  # the cursor line's tokens may be evaluated again
+    new = infill(server, FILE_C, t_max_prompt_ms=300, input_extra=RING)
+    assert new["truncated"] is True and kept > 4 * new["infill"]["prefix_tokens"][0], (new["infill"], back["infill"])
 
 
 def test_a_client_back_at_an_earlier_prompt_evaluates_only_what_it_added(server):

@@ -88,7 +88,7 @@ def infill_prompt(m: Model, pool: SlotPool, rate: PromptRate, infill: Infill, ma
                   layout: str = "prefix", warm_up: bool = False) -> InfillPrompt:
     """The FIM prompt for `infill` on target `m` that leaves `max_tokens` of room, sized for `budget_seconds` of
     prompt evaluation at `rate` (None: as llama.cpp sizes it), in `slot` or else the free slot that reuses most of
-    it, once it took back a prompt it held before that holds more (SlotPool.recall). A `warm_up` of extra chunks
+    it, once it took back a prompt it held before that holds more of the file (SlotPool.recall). A `warm_up` of chunks
     alone keeps the slot's FIM part (FimPrompt.warm_up). The prompt may start where the pool's aside does."""
     fim = FimPrompt(m.vocab, lambda text: list(_tokens(m, text)), layout, m.token_bytes)
     room, slots, aside, aside_lines = m.n_ctx - max_tokens, pool.slots, pool.aside, pool.aside_lines
@@ -116,8 +116,8 @@ def infill_prompt(m: Model, pool: SlotPool, rate: PromptRate, infill: Infill, ma
     asked, infill = infill, fim.cut_long(infill, max(near, 1))  # a long line at the cursor: what is next to it
     widest = fim.fit(infill, room).tokens
     chosen = _slot_for(slots, slot, lambda s: new_tokens(s, widest))
-    target = slots[chosen]
-    pool.recall(target, lambda c: plan(c, widest), held=False)
+    own = fim.fit(replace(infill, extra=()), room).tokens  # the file's lines, not the ring's chunks, decide it
+    pool.recall(target := slots[chosen], lambda c: plan(c, own), held=False)
     fitted, budget = None, rate.tokens_within(budget_seconds) or 0
     plain, starts, relaxed = budget, (), None  # plain: what the budget buys where nothing moves (as in the aside)
     if plan(target.cache, widest).moved:  # moving what the slot holds costs a re-rotation before any token's price

@@ -3,9 +3,9 @@
 An editor that goes back to a file, or a client back to an earlier conversation, finds what its slot held then:
 the KV entries are copied out (KVSequence.saved) when a request would keep less than half of what the slot holds
 after the prefix they share, as llama-server does for the whole, and copied back into the slot when a later request
-has at least MIN_GAIN fewer tokens to evaluate there. The
-bytes are llama.cpp's own, so what comes back is exactly what was evaluated. Least recently used go first past the
-limit. Pure bookkeeping here; SlotPool.recall decides when, under the pool's locks.
+has at least MIN_GAIN fewer tokens to evaluate there. The bytes are llama.cpp's own, so what comes back is exactly
+what was evaluated. Least recently used go first past the limit. Pure bookkeeping here; SlotPool.recall decides
+when, under the pool's locks.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from edgespec.decoding.reuse import Reuse
 # the prefix both share: an editor's ring chunks, or a system prompt, must not make a new file look like the old.
 KEEP_BELOW = 0.5
 # A kept prompt comes back only where it leaves at least this many fewer tokens to evaluate than what the slot holds
-# (so none shorter is kept): a budgeted /infill is sized before its generation takes the slot, against its widest
-# prompt, and small gains there flipped a slot between two prompts of one file (docs/bench/editor.md).
+# (so none shorter is kept): a budgeted /infill is sized before its generation takes the slot, against the widest
+# prompt of the file's lines, and small gains there flipped a slot between two prompts of one file
+# (docs/bench/editor.md, "A file the editor comes back to").
 MIN_GAIN = 128
 MIB = 1 << 20
 

@@ -166,8 +166,8 @@ class SlotPool:
         """Start `slot` from a kept prompt where that leaves fewer tokens to evaluate for the prompt `plan` prices a
         cache for, keeping what the slot held; else, where the caller `held` the slot for a generation of that
         prompt, keep what the slot holds if the prompt replaces it (engine.recall). Whether a kept prompt came back.
-        Unless `held`, only where the slot is free: a budget is sized against its widest prompt, which may keep
-        little of a slot that its own prompt keeps."""
+        Unless `held`, only where the slot is free: a budget is sized against the widest prompt of the file's lines,
+        which may keep little of a slot that the request's own prompt keeps."""
         if self.prompts is None:
             return False
         with contextlib.nullcontext() if held else self._free, self._turn:

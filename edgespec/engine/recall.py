@@ -17,6 +17,7 @@ import psutil
 
 from edgespec.config import DEFAULT_CACHE_RAM_MIB
 from edgespec.decoding.reuse import Reuse
+from edgespec.planning.budget import MiB
 
 # A slot's prompt is kept when a request would keep less than this share of it (llama-server's rule), counted after
 # the prefix both share: an editor's ring chunks, or a system prompt, must not make a new file look like the old.
@@ -26,7 +27,6 @@ KEEP_BELOW = 0.5
 # prompt of the file's lines, and small gains there flipped a slot between two prompts of one file
 # (docs/bench/editor.md, "A file the editor comes back to").
 MIN_GAIN = 128
-MIB = 1 << 20
 
 
 class Saving(Protocol):
@@ -55,14 +55,14 @@ def replaces(kept: Reuse, held: int) -> bool:
 
 def limit_mib(asked: int | None) -> int:
     """EngineConfig.cache_ram as it applies on this machine."""
-    return min(DEFAULT_CACHE_RAM_MIB, psutil.virtual_memory().total // 8 // MIB) if asked is None else asked
+    return min(DEFAULT_CACHE_RAM_MIB, psutil.virtual_memory().total // 8 // MiB) if asked is None else asked
 
 
 class PromptCache:
     """Kept prompts, least recently used first, within `limit_mib` of host memory (-1: no limit)."""
 
     def __init__(self, limit_mib: int) -> None:
-        self.limit = None if limit_mib < 0 else limit_mib * MIB
+        self.limit = None if limit_mib < 0 else limit_mib * MiB
         self.kept: list[Kept] = []
 
     @property

@@ -116,8 +116,8 @@ def infill_prompt(m: Model, pool: SlotPool, rate: PromptRate, infill: Infill, ma
     asked, infill = infill, fim.cut_long(infill, max(near, 1))  # a long line at the cursor: what is next to it
     widest = fim.fit(infill, room).tokens
     chosen = _slot_for(slots, slot, lambda s: new_tokens(s, widest))
-    own = fim.fit(replace(infill, extra=()), room).tokens  # the file's lines, not the ring's chunks, decide it
-    pool.recall(target := slots[chosen], lambda c: plan(c, own), held=False)
+    own = functools.cache(lambda: fim.fit(replace(infill, extra=()), room).tokens)  # the file's lines decide it
+    pool.recall(target := slots[chosen], lambda c: plan(c, own()), held=False)
     fitted, budget = None, rate.tokens_within(budget_seconds) or 0
     plain, starts, relaxed = budget, (), None  # plain: what the budget buys where nothing moves (as in the aside)
     if plan(target.cache, widest).moved:  # moving what the slot holds costs a re-rotation before any token's price

@@ -84,9 +84,10 @@ class PromptCache:
             self.kept.pop(0)
         return True
 
-    def best(self, new_tokens: Callable[[Kept], int], than: int) -> Kept | None:
-        """The kept prompt that leaves the fewest `new_tokens` to evaluate, where that is MIN_GAIN fewer than `than`."""
-        priced = [(new_tokens(k), -i) for i, k in enumerate(self.kept)]  # the most recent among equals
+    def best(self, new_tokens: Callable[[Kept], int], than: int, least: int = 0) -> Kept | None:
+        """The kept prompt that leaves the fewest `new_tokens` to evaluate, where that is MIN_GAIN fewer than `than`.
+        One shorter than `least` tokens cannot keep enough of the prompt, and is not priced (a plan each)."""
+        priced = [(new_tokens(k), -i) for i, k in enumerate(self.kept) if len(k.tokens) >= least]  # recent first
         n, i = min(priced, default=(than, 0))
         return self.kept[-i] if n <= than - MIN_GAIN else None
 

@@ -24,7 +24,7 @@ from typing import Callable, Generator, Iterator, Sequence
 from edgespec.backend import KVSequence
 from edgespec.decoding import loop
 from edgespec.decoding.reuse import Reuse
-from edgespec.engine.recall import Kept, PromptCache, replaces
+from edgespec.engine.recall import MIN_GAIN, Kept, PromptCache, replaces
 from edgespec.proposers import Proposer
 
 SLOT_POLL_SECONDS = 0.1  # a generation waiting for a slot checks its cancel event this often
@@ -171,10 +171,11 @@ class SlotPool:
         if self.prompts is None:
             return False
         with contextlib.nullcontext() if held else self._free, self._turn:
-            if not held and slot.busy:
+            if not held and (slot.busy or not self.prompts.kept):
                 return False
             cache, now = slot.cache, plan(slot.cache)
-            best = self.prompts.best(lambda k: plan(k).new, now.new)
+            # a kept prompt keeps at most its own length of the prompt: it must keep MIN_GAIN more than the slot
+            best = self.prompts.best(lambda k: plan(k).new, now.new, least=now.reused + MIN_GAIN)
             if best is not None or (held and replaces(now, cache.n_past)):
                 self.prompts.keep(cache)
             if best is None or not cache.restore(best.tokens, best.data):

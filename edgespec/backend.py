@@ -489,13 +489,14 @@ class KVSequence(KeptRow):
 
     def saved(self) -> ctypes.Array | None:
         """A host copy of its KV entries (engine.recall), moved keys rotated first; None when it holds none."""
-        if self.tokens and self.model._shifted:  # a decode rotates them, as the next would: its last token's again
+        if not self.tokens:
+            return None
+        if self.model._shifted:  # a decode rotates them, as the next would: its last token's again
             last = self.tokens[-1]
             self.trim(self.n_past - 1)
             self.decode([last], 0)
         data = (ctypes.c_uint8 * llama_cpp.llama_state_seq_get_size(self.model._ctx, self.seq_id))()
-        got = self.tokens and llama_cpp.llama_state_seq_get_data(self.model._ctx, data, len(data), self.seq_id)
-        return data if got else None
+        return data if llama_cpp.llama_state_seq_get_data(self.model._ctx, data, len(data), self.seq_id) else None
 
     def restore(self, tokens: Sequence[int], data: ctypes.Array) -> bool:
         """Hold `tokens` again from the copy `saved` made of them; whether llama.cpp found cells (else none held)."""

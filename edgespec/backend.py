@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-import llama_cpp
-import llama_cpp.llama_grammar
+import llama_cpp.llama_grammar  # binds llama_cpp too
 import numpy as np
 
 from edgespec.config import DEFAULT_N_CTX, LoadConfig
@@ -487,9 +486,10 @@ class KVSequence(KeptRow):
             raise EdgespecError(f"KV cache of {self.model.path.name} ends at {pos} after trimming to {n_keep}")
         return dropped
 
-    def saved(self) -> ctypes.Array | None:
-        """A host copy of its KV entries (engine.recall), moved keys rotated first; None when it holds none."""
-        if not self.tokens:
+    def saved(self, room: Callable[[int], bool] = lambda size: True) -> ctypes.Array | None:
+        """A host copy of its KV entries (engine.recall), moved keys rotated first; None when it holds none or `room`,
+        told the copy's bytes before any is made, refuses them."""
+        if not self.tokens or not room(llama_cpp.llama_state_seq_get_size(self.model._ctx, self.seq_id)):
             return None
         if self.model._shifted:  # a decode rotates them, as the next would: its last token's again
             last = self.tokens[-1]

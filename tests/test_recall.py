@@ -24,11 +24,17 @@ class FakeSeq:
 
     can_shift = True
 
-    def __init__(self, tokens: list[int]) -> None:
-        self.tokens = tokens
+    def __init__(self, tokens: list[int], cache: PromptCache | None = None) -> None:
+        self.tokens, self.cache = tokens, cache
 
-    def saved(self) -> bytes:
-        return bytes(len(self.tokens))
+    def saved(self, room) -> bytes | None:
+        if not room(n := len(self.tokens)):
+            return None
+        copies.append(n + sum(len(k.data) for k in self.cache.kept) if self.cache else None)  # bytes held then
+        return bytes(n)
+
+
+copies: list[int | None] = []
 
 
 def seq(start: int, n: int) -> FakeSeq:
@@ -45,7 +51,13 @@ def test_the_cache_keeps_each_prompt_once_and_drops_the_least_recently_used_past
     assert cache.keep(seq(1000, 300))
     assert cache.keep(seq(2000, 350))  # 400 + 300 + 350 bytes: the oldest goes
     assert [k.tokens[0] for k in cache.kept] == [1000, 2000]
-    assert not cache.keep(seq(3000, 1001))  # larger than the whole limit
+    copies.clear()
+    assert not cache.keep(FakeSeq(list(range(3000, 4001)), cache))  # over the whole limit: not copied, none drop
+    assert [k.tokens[0] for k in cache.kept] == [1000, 2000] and copies == []
+    assert cache.keep(FakeSeq(list(range(3000, 4000)), cache))  # the whole limit: the others go before the copy
+    assert [k.tokens[0] for k in cache.kept] == [3000] and copies == [1000]
+    cache.kept.clear()
+    assert cache.keep(seq(1000, 300)) and cache.keep(seq(2000, 350))
     assert not cache.keep(seq(4000, MIN_GAIN - 1))  # too short ever to come back
     assert [k.tokens[0] for k in cache.kept] == [1000, 2000]
 

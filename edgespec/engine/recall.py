@@ -33,7 +33,7 @@ class Saving(Protocol):
     tokens: list[int]
     can_shift: bool
 
-    def saved(self) -> object | None: ...
+    def saved(self, room: Callable[[int], bool]) -> object | None: ...
 
 
 @dataclass(eq=False)
@@ -70,18 +70,29 @@ class PromptCache:
         return sum(len(k.data) for k in self.kept)
 
     def keep(self, seq: Saving) -> bool:
-        """Keep what `seq` holds, unless it is under MIN_GAIN tokens or a kept prompt starts with all of it; kept
-        prompts it holds all of go. Whether it was kept."""
+        """Keep what `seq` holds, unless it is under MIN_GAIN tokens, a kept prompt starts with all of it, or its copy
+        is larger than the limit; kept prompts it holds all of go, and the least recently used make room, before the
+        copy is made (as llama-server's server_prompt_cache::alloc), so the cache never holds more than its limit.
+        Whether it was kept."""
         tokens = seq.tokens
         if len(tokens) < MIN_GAIN or any(k.tokens[:len(tokens)] == tokens for k in self.kept):
             return False
-        data = seq.saved()
-        if data is None or (self.limit is not None and len(data) > self.limit):
+
+        def room(size: int) -> bool:
+            if self.limit is not None and size > self.limit:
+                return False
+            self.kept = [k for k in self.kept if tokens[:len(k.tokens)] != k.tokens]
+            while self.limit is not None and self.kept and self.size + size > self.limit:
+                self.kept.pop(0)
+            return True
+
+        try:
+            data = seq.saved(room)
+        except MemoryError:  # the host had less to give than the limit allows: nothing kept, the slot serves on
             return False
-        self.kept = [k for k in self.kept if tokens[:len(k.tokens)] != k.tokens]
+        if data is None:
+            return False
         self.kept.append(Kept(list(tokens), data, seq.can_shift))
-        while self.limit is not None and self.size > self.limit:
-            self.kept.pop(0)
         return True
 
     def best(self, new_tokens: Callable[[Kept], int], than: int, least: int = 0) -> Kept | None:

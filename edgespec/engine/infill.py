@@ -100,13 +100,8 @@ def infill_prompt(m: Model, pool: SlotPool, rate: PromptRate, infill: Infill, ma
     def new_tokens(s: Slot, tokens: list[int]) -> int:
         return plan(s.cache, tokens).new
 
-    if warm_up and not (infill.prefix or infill.suffix or infill.typed):
-        kept = {id(s): fim.warm_up(infill.extra, s.cache.tokens) for s in slots}
-        chosen = _slot_for(slots, slot, lambda s: math.inf if (t := kept[id(s)]) is None else new_tokens(s, t))
-        tokens = kept[id(slots[chosen])]
-        if tokens is not None and len(tokens) <= room:  # else the chunks alone, cut as llama.cpp cuts them (below)
-            n = len(infill.extra)
-            return InfillPrompt(tokens, Kept((0, 0), (0, 0), (n, n)), chosen, new_tokens(slots[chosen], tokens), None)
+    if warm_up and (chunks := _warm_up(fim, infill, slots, slot, room, new_tokens)) is not None:
+        return chunks
     if budget_seconds is None or not rate.known:
         tokens, kept = fim.llama_cpp_sizes(infill, m.n_batch, m.n_ctx, max_tokens)
         chosen = _slot_for(slots, slot, lambda s: new_tokens(s, tokens))
@@ -143,6 +138,21 @@ def infill_prompt(m: Model, pool: SlotPool, rate: PromptRate, infill: Infill, ma
                    suffix_tokens=(fitted.kept.suffix_tokens[0], len(_tokens(m, asked.suffix))))
     return InfillPrompt(fitted.tokens, kept, chosen, new, budget,
                         lambda: fim.widening(infill, room, fitted, WIDEN_LINES_STEP), build)
+
+
+def _warm_up(fim: FimPrompt, infill: Infill, slots: Sequence[Slot], slot: int | None, room: int,
+             new_tokens: Callable[[Slot, list[int]], int]) -> InfillPrompt | None:
+    """An editor's warm-up of chunks alone, in the slot that evaluates least for it, keeping the FIM part a slot
+    holds (FimPrompt.warm_up); None for a request with more, or where no slot holds a FIM part that fits."""
+    if infill.prefix or infill.suffix or infill.typed:
+        return None
+    kept = {id(s): fim.warm_up(infill.extra, s.cache.tokens) for s in slots}
+    chosen = _slot_for(slots, slot, lambda s: math.inf if (t := kept[id(s)]) is None else new_tokens(s, t))
+    tokens = kept[id(slots[chosen])]
+    if tokens is None or len(tokens) > room:  # the chunks alone, cut as llama.cpp cuts them (infill_prompt)
+        return None
+    n = len(infill.extra)
+    return InfillPrompt(tokens, Kept((0, 0), (0, 0), (n, n)), chosen, new_tokens(slots[chosen], tokens), None)
 
 
 def _in_place(fim: FimPrompt, infill: Infill, room: int, budget: int, near: int,

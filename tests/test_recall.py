@@ -17,6 +17,7 @@ FILE_A = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(
 FILE_B = "".join(f"class Point{i}:\n    x = {i * 3}\n    y = {i % 5}\n" for i in range(40))
 FILE_C = "".join(f"fn step{i}(x: u32) -> u32 {{\n    x * {i} + {i % 3}\n}}\n" for i in range(50))
 RING = [{"filename": "lib.js", "text": "".join(f"const v{i} = compute({i}, {i * 7});\n" for i in range(80))}]
+RING_B = [{"filename": "util.go", "text": "".join(f"var w{i} = mix({i}, {i * 5})\n" for i in range(60))}]
 
 
 class FakeSeq:
@@ -67,11 +68,12 @@ def test_the_best_kept_prompt_comes_back_only_where_it_saves_enough_evaluation()
     assert cache.limit is None
     for start, n in ((0, 200), (1000, 400), (2000, 150), (3000, 400)):
         cache.keep(seq(start, n))
-    new = lambda k: 1000 - len(k.tokens)  # noqa: E731 - a longer prompt leaves fewer to evaluate
-    assert cache.best(new, than=600 + MIN_GAIN).tokens[0] == 3000  # the most recent of two that leave 600
-    assert cache.best(new, than=600 + MIN_GAIN - 1) is None  # it would save too little
+    worth = lambda k: len(k.tokens)  # noqa: E731 - a prompt worth all it holds
+    assert cache.best(worth, than=400 - MIN_GAIN).tokens[0] == 3000  # the most recent of two worth 400
+    assert cache.best(worth, than=400 - MIN_GAIN + 1) is None  # it would gain too little
+    assert cache.best(worth, than=350, gain=50).tokens[0] == 3000 and cache.best(worth, 350, 51) is None
     cache.take(cache.kept[3])
-    assert cache.best(new, than=600 + MIN_GAIN).tokens[0] == 1000
+    assert cache.best(worth, than=400 - MIN_GAIN).tokens[0] == 1000
     assert [k.tokens[0] for k in cache.kept] == [0, 1000, 2000]
 
 
@@ -157,6 +159,20 @@ def test_an_editor_back_at_a_file_gets_the_context_it_had_within_its_budget(serv
     assert back["tokens_cached"] >= kept - 16  # the cursor line's tokens may be evaluated again
     new = infill(server, FILE_C, t_max_prompt_ms=300, input_extra=RING)
     assert new["truncated"] is True and kept > 4 * new["infill"]["prefix_tokens"][0], (new["infill"], back["infill"])
+
+
+def test_an_editor_back_after_a_short_visit_gets_the_lines_it_left_next_to_the_cursor(server):
+    """A short visit to A leaves the slot the ring and about a hundred tokens of A's last lines: under MIN_GAIN of
+    A's lines, so counting what a kept prompt holds of the whole window left the return cold. Counted next to the
+    cursor, they are more than the budget buys there, and come back."""
+    tail = FILE_A[FILE_A.index("def f54"):]  # the window's last lines, the cursor after them
+    short = infill(server, tail, input_extra=RING)
+    assert 64 < short["infill"]["prefix_tokens"][0] < MIN_GAIN - 8, short["infill"]
+    infill(server, FILE_B, input_extra=RING_B)
+    back = infill(server, FILE_A, t_max_prompt_ms=150, input_extra=RING_B)
+    cold = infill(server, FILE_C, t_max_prompt_ms=150, input_extra=RING_B)
+    assert back["tokens_cached"] >= short["infill"]["prefix_tokens"][0] - 8, (back["infill"], back["timings"])
+    assert back["infill"]["prefix_tokens"][0] > 2 * cold["infill"]["prefix_tokens"][0], (back["infill"], cold["infill"])
 
 
 def test_a_client_back_at_an_earlier_prompt_evaluates_only_what_it_added(server):

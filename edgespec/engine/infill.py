@@ -27,6 +27,7 @@ from edgespec.backend import KVSequence, Model
 from edgespec.decoding import reuse
 from edgespec.decoding.costs import PromptRate
 from edgespec.decoding.loop import Target, planned
+from edgespec.engine.recall import near_cursor
 from edgespec.engine.slots import Slot, SlotPool
 from edgespec.prompts.fim import Fitted, FimPrompt, Infill, Kept, cached_lines, cursor_anchor, lines_start
 
@@ -112,8 +113,10 @@ def infill_prompt(m: Model, pool: SlotPool, rate: PromptRate, infill: Infill, ma
     widest = fim.fit(infill, room).tokens
     chosen = _slot_for(slots, slot, lambda s: new_tokens(s, widest))
     own = functools.cache(lambda: fim.fit(replace(infill, extra=()), room).tokens)  # the file's lines decide it
-    pool.recall(target := slots[chosen], lambda c: plan(c, own()), held=False)
     fitted, budget = None, rate.tokens_within(budget_seconds) or 0
+    # a kept prompt comes back where it holds more of the lines next to the cursor than the budget buys there
+    pool.recall(target := slots[chosen], lambda c: plan(c, own()), False,
+                lambda r: near_cursor(r, own().index(m.vocab.fim_suf), budget), max(budget, 1))
     plain, starts, relaxed = budget, (), None  # plain: what the budget buys where nothing moves (as in the aside)
     if plan(target.cache, widest).moved:  # moving what the slot holds costs a re-rotation before any token's price
         moving = rate.tokens_within(budget_seconds, True) or 0

@@ -3,8 +3,9 @@
 An editor that goes back to a file, or a client back to an earlier conversation, finds what its slot held then:
 the KV entries are copied out (KVSequence.saved) when a request would keep less than half of what the slot holds
 after the prefix they share, as llama-server does for the whole, and copied back into the slot when a later request
-has at least MIN_GAIN fewer tokens to evaluate there. The bytes are llama.cpp's own, so what comes back is exactly
-what was evaluated. Least recently used go first past the limit. Pure bookkeeping here; SlotPool.recall decides
+has at least MIN_GAIN fewer tokens to evaluate there, or, for an editor's budgeted request, when it holds more of the
+lines next to the cursor than the budget buys (near_cursor). The bytes are llama.cpp's own, so what comes back is
+exactly what was evaluated. Least recently used go first past the limit. Pure bookkeeping here; SlotPool.recall decides
 when, under the pool's locks.
 """
 
@@ -23,9 +24,9 @@ from edgespec.planning.budget import MiB
 # the prefix both share: an editor's ring chunks, or a system prompt, must not make a new file look like the old.
 KEEP_BELOW = 0.5
 # A kept prompt comes back only where it leaves at least this many fewer tokens to evaluate than what the slot holds
-# (so none shorter is kept): a budgeted /infill is sized before its generation takes the slot, against the widest
-# prompt of the file's lines, and small gains there flipped a slot between two prompts of one file
-# (docs/bench/editor.md, "A file the editor comes back to").
+# (so none shorter is kept). A budgeted /infill is sized by what each holds next to the cursor instead: counted over
+# the widest prompt of the file's lines, the window's far lines flipped a slot between two prompts of one file for
+# small gains (docs/bench/editor.md, "A file the editor comes back to").
 MIN_GAIN = 128
 
 
@@ -51,6 +52,22 @@ def replaces(kept: Reuse, held: int) -> bool:
     first = kept.runs[0] if kept.runs else None
     shared = first.length if first is not None and first.start == first.source == 0 else 0
     return held - shared >= MIN_GAIN and kept.reused - shared < KEEP_BELOW * (held - shared)
+
+
+def near_cursor(kept: Reuse, cursor: int, reach: int) -> int:
+    """The tokens `kept` holds that a prompt grown out from its `cursor` (the position between prefix and suffix)
+    reaches while it evaluates at most `reach` tokens on each side: what a budget of `reach` makes of a cache."""
+    held = 0
+    for side in (-1, 1):
+        lo, hi = (0, cursor) if side < 0 else (cursor + 1, kept.prompt_len)
+        clipped = [(max(r.start, lo), min(r.end, hi)) for r in kept.runs]
+        at, left = (hi if side < 0 else lo), reach
+        for start, end in sorted((c for c in clipped if c[0] < c[1]), key=lambda c: side * c[0]):
+            gap = start - at if side > 0 else at - end
+            if gap > left:
+                break
+            left, held, at = left - gap, held + end - start, (end if side > 0 else start)
+    return held
 
 
 def limit_mib(asked: int | None) -> int:
@@ -95,12 +112,12 @@ class PromptCache:
         self.kept.append(Kept(list(tokens), data, seq.can_shift))
         return True
 
-    def best(self, new_tokens: Callable[[Kept], int], than: int, least: int = 0) -> Kept | None:
-        """The kept prompt that leaves the fewest `new_tokens` to evaluate, where that is MIN_GAIN fewer than `than`.
-        One shorter than `least` tokens cannot keep enough of the prompt, and is not priced (a plan each)."""
-        priced = [(new_tokens(k), -i) for i, k in enumerate(self.kept) if len(k.tokens) >= least]  # recent first
-        n, i = min(priced, default=(than, 0))
-        return self.kept[-i] if n <= than - MIN_GAIN else None
+    def best(self, worth: Callable[[Kept], int], than: int, gain: int = MIN_GAIN) -> Kept | None:
+        """The kept prompt `worth` most, where that is at least `gain` more than `than`. `worth` counts tokens the
+        prompt keeps, so one shorter than `than + gain` cannot be, and is not priced (a plan each)."""
+        priced = [(worth(k), i) for i, k in enumerate(self.kept) if len(k.tokens) >= than + gain]  # recent first
+        w, i = max(priced, default=(than, 0))
+        return self.kept[i] if w >= than + gain else None
 
     def take(self, kept: Kept) -> None:
         """`kept` went back into a slot: the slot holds it now."""

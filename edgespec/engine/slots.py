@@ -162,20 +162,21 @@ class SlotPool:
             aside.trim(0)
         return max(0.0, shifted - plain)
 
-    def recall(self, slot: Slot, plan: Callable[[KVSequence | Kept], Reuse], held: bool = True) -> bool:
-        """Start `slot` from a kept prompt where that leaves fewer tokens to evaluate for the prompt `plan` prices a
-        cache for, keeping what the slot held; else, where the caller `held` the slot for a generation of that
-        prompt, keep what the slot holds if the prompt replaces it (engine.recall). Whether a kept prompt came back.
-        Unless `held`, only where the slot is free: a budget is sized against the widest prompt of the file's lines,
-        which may keep little of a slot that the request's own prompt keeps."""
+    def recall(self, slot: Slot, plan: Callable[[KVSequence | Kept], Reuse], held: bool = True,
+               worth: Callable[[Reuse], int] = lambda r: r.reused, gain: int = MIN_GAIN) -> bool:
+        """Start `slot` from a kept prompt whose plan for the prompt `plan` prices a cache for is `worth` `gain` more
+        than the slot's (by default: it keeps that many more tokens), keeping what the slot held; else, where the
+        caller `held` the slot for a generation of that prompt, keep what the slot holds if the prompt replaces it
+        (engine.recall). Whether a kept prompt came back. Unless `held`, only where the slot is free: a budget is
+        sized against the widest prompt of the file's lines, which may keep little of a slot that the request's own
+        prompt keeps."""
         if self.prompts is None:
             return False
         with contextlib.nullcontext() if held else self._free, self._turn:
             if not held and (slot.busy or not self.prompts.kept):
                 return False
             cache, now = slot.cache, plan(slot.cache)
-            # a kept prompt keeps at most its own length of the prompt: it must keep MIN_GAIN more than the slot
-            best = self.prompts.best(lambda k: plan(k).new, now.new, least=now.reused + MIN_GAIN)
+            best = self.prompts.best(lambda k: worth(plan(k)), worth(now), gain)
             if best is not None or (held and replaces(now, cache.n_past)):
                 self.prompts.keep(cache)
             if best is None or not cache.restore(best.tokens, best.data):

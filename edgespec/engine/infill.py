@@ -145,8 +145,9 @@ def infill_prompt(m: Model, pool: SlotPool, rate: PromptRate, infill: Infill, ma
 
 def _warm_up(fim: FimPrompt, infill: Infill, slots: Sequence[Slot], slot: int | None, room: int,
              new_tokens: Callable[[Slot, list[int]], int]) -> InfillPrompt | None:
-    """An editor's warm-up of chunks alone, in the slot that evaluates least for it, keeping the FIM part a slot
-    holds (FimPrompt.warm_up); None for a request with more, or where no slot holds a FIM part that fits."""
+    """An editor's warm-up of chunks alone, in `slot` or else the slot that evaluates least for it, keeping the FIM
+    part the slot holds (FimPrompt.warm_up); None for a request with more, where that slot holds no FIM part, or where
+    the prompt would not fit."""
     if infill.prefix or infill.suffix or infill.typed:
         return None
     kept = {id(s): fim.warm_up(infill.extra, s.cache.tokens) for s in slots}

@@ -489,13 +489,13 @@ class KVSequence(KeptRow):
     def saved(self, room: Callable[[int], bool] = lambda size: True) -> ctypes.Array | None:
         """A host copy of its KV entries (engine.recall), moved keys rotated first; None when it holds none or `room`,
         told the copy's bytes before any is made, refuses them."""
-        if not self.tokens or not room(llama_cpp.llama_state_seq_get_size(self.model._ctx, self.seq_id)):
+        if not self.tokens or not room(size := llama_cpp.llama_state_seq_get_size(self.model._ctx, self.seq_id)):
             return None
-        if self.model._shifted:  # a decode rotates them, as the next would: its last token's again
+        if self.model._shifted:  # a decode rotates them, as the next would: its last token's again (same cells)
             last = self.tokens[-1]
             self.trim(self.n_past - 1)
             self.decode([last], 0)
-        data = (ctypes.c_uint8 * llama_cpp.llama_state_seq_get_size(self.model._ctx, self.seq_id))()
+        data = (ctypes.c_uint8 * size)()
         return data if llama_cpp.llama_state_seq_get_data(self.model._ctx, data, len(data), self.seq_id) else None
 
     def restore(self, tokens: Sequence[int], data: ctypes.Array) -> bool:

@@ -740,15 +740,16 @@ def test_once_the_slot_holds_an_aside_build_the_lines_before_it_go_in_front(qwen
 
 
 def test_a_typed_word_is_healed_and_the_answer_spells_it_in_the_models_own_tokens(server):
-    """Typed text that ends inside a word ("os.listd") or after a bracket leaves the word (the bracket) out of the
-    prompt; the answer's first tokens spell it again, as the model tokenizes it, and the answer goes out without it.
+    """Typed text that ends inside a word ("os.listd") or after a bracket leaves the word with the mark before it
+    (the bracket) out of the prompt; the answer's first tokens spell it again, as the model tokenizes it, and the
+    answer goes out without it.
     token_healing false lays the typed text out whole, in llama.cpp's layout; anything but a boolean is refused by
     name."""
     fim = {"input_prefix": "import os\n\n\ndef list_files(root):\n    out = []\n", "input_suffix": "\n    return out\n",
            "prompt": "    for name in os.listd", "n_predict": 6, "temperature": 0, "return_tokens": True}
     out = httpx.post(server.url + "/infill", json=fim, timeout=300).json()
     spelled = httpx.post(server.url + "/detokenize", json={"tokens": out["tokens"]}, timeout=60).json()["content"]
-    assert out["infill"]["healed"] == "listd" and spelled == "listd" + out["content"], out
+    assert out["infill"]["healed"] == ".listd" and spelled == ".listd" + out["content"], out
     assert out["content"].startswith("ir("), out
     plain = httpx.post(server.url + "/infill", json={**fim, "token_healing": False}, timeout=300).json()
     spelled = httpx.post(server.url + "/detokenize", json={"tokens": plain["tokens"]}, timeout=60).json()["content"]

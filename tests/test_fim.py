@@ -382,7 +382,13 @@ def test_healing_leaves_out_the_word_the_typed_text_ends_inside():
     # after <fim_middle> the model reads the typed text as its own: the blanks it ends with are healed there too
     assert healed(Infill("", "", "for pattern "), "middle") == (Infill("", "", "for pattern"), " ")
     assert healed(Infill("", "", "x =\t "), "middle") == (Infill("", "", "x ="), "\t ")
-    assert healed(Infill("", "", "    return x.app"), "middle") == healed(Infill("", "", "    return x.app"))
+    # there a word goes with the blank or the lone mark before it, which BPE writes as the word's first character
+    # (" glob", ".append", "(self"); a mark after a blank or another mark is a token of its own (" (", "->")
+    assert healed(Infill("", "", "    return x.app"), "middle") == (Infill("", "", "    return x"), ".app")
+    assert healed(Infill("", "", "    let mut gl"), "middle") == (Infill("", "", "    let mut"), " gl")
+    assert healed(Infill("", "", "gl"), "middle") == (Infill("", "", ""), "gl")
+    for typed, word in (("f(sel", "(sel"), ("f (sel", "sel"), ("a->f", "f"), ("x = 12", "12"), ("self.__in", ".__in")):
+        assert healed(Infill("", "", typed), "middle")[1] == word, typed
     # and the punctuation it ends with, with the blanks before it: the model writes " !=" as one token, not " !", "="
     assert healed(Infill("", "", "f("), "middle") == (Infill("", "", "f"), "(")
     assert healed(Infill("", "", "    if status !"), "middle") == (Infill("", "", "    if status"), " !")

@@ -58,6 +58,9 @@ ANCHOR_SCAN = 512  # tokens before the cursor searched for the line before it (c
 # The longest word healed (the answer spells it again, a token at a time): past it, none is.
 HEAL_MAX_CHARS = 48
 _WORD_END = re.compile(r"\w+\Z")
+# In the middle layout, with the blank or the lone mark before it that BPE writes as the word's first character
+# (" glob", ".free", "(self"; " (" and "->" are tokens of their own): left in, it is a token the model never ends on.
+_WORD_LEAD_END = re.compile(r"(?:[ \t](?=[^\W\d])|(?:(?<=[\w\n])|\A)[^\w\s])?\w+\Z")
 _BLANK_END = re.compile(r"[ \t]+\Z")
 _MARK_END = re.compile(r"[ \t]*[^\w\s]+\Z")  # punctuation, with the blanks before it: BPE merges them (" !=", " (")
 T = TypeVar("T")
@@ -388,13 +391,13 @@ def healed(infill: Infill, layout: str = "prefix") -> tuple[Infill, str]:
     """Token healing: `infill` less the word its typed text ends inside, and that word, which the answer must start
     with. Typed alone, a word's start is tokenized as the model would not have written it there, and the model goes
     on from those tokens as from a whole word; left out, the word is written in the model's own tokens
-    (docs/editors.md). In the middle `layout` the blanks or punctuation it ends with too (with the blanks before it):
-    there the model reads the typed text as its own, and a space before a word is the word's token's own (" in"), a
-    bracket often one with what follows it (`("`), not tokens the model writes alone. `infill` itself and "" where
-    its typed text ends otherwise."""
+    (docs/editors.md). In the middle `layout` the model reads the typed text as its own, so a word goes with the blank
+    or lone mark before it (" gl", ".f": a space before a word is the word's token's own, " glob"), and blanks or
+    punctuation the typed text ends with are healed too, with the blanks before them (a bracket is often one token
+    with what follows it, `("`). `infill` itself and "" where its typed text ends otherwise."""
     tail = infill.typed[-HEAL_MAX_CHARS - 1:]  # a bounded tail: a longer word is healed nowhere
-    word = _WORD_END.search(tail) or (
-        (_BLANK_END.search(tail) or _MARK_END.search(tail)) if layout == "middle" else None)
+    word = _WORD_END.search(tail) if layout != "middle" else (
+        _WORD_LEAD_END.search(tail) or _BLANK_END.search(tail) or _MARK_END.search(tail))
     if word is None or len(word.group()) > HEAL_MAX_CHARS:
         return infill, ""
     return replace(infill, typed=infill.typed[:len(infill.typed) - len(word.group())]), word.group()

@@ -389,6 +389,9 @@ def test_healing_leaves_out_the_word_the_typed_text_ends_inside():
     assert healed(Infill("", "", "gl"), "middle") == (Infill("", "", ""), "gl")
     for typed, word in (("f(sel", "(sel"), ("f (sel", "sel"), ("a->f", "f"), ("x = 12", "12"), ("self.__in", ".__in")):
         assert healed(Infill("", "", typed), "middle")[1] == word, typed
+    # the character that goes along counts in HEAL_MAX_CHARS
+    assert healed(Infill("", "", "x " + "a" * (HEAL_MAX_CHARS - 1)), "middle")[1] == " " + "a" * (HEAL_MAX_CHARS - 1)
+    assert healed(Infill("", "", "x " + "a" * HEAL_MAX_CHARS), "middle")[1] == ""
     # and the punctuation it ends with, with the blanks before it: the model writes " !=" as one token, not " !", "="
     assert healed(Infill("", "", "f("), "middle") == (Infill("", "", "f"), "(")
     assert healed(Infill("", "", "    if status !"), "middle") == (Infill("", "", "    if status"), " !")

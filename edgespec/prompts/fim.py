@@ -55,7 +55,8 @@ REPEAT_LINES = 3
 REPEAT_MIN_CHARS = 4
 HELD_LINES = 8  # lines at the start of a cached prompt's lines that locate it in a request's (lines_start)
 ANCHOR_SCAN = 512  # tokens before the cursor searched for the line before it (cursor_anchor); a longer line ends it
-# The longest word healed (the answer spells it again, a token at a time): past it, none is.
+# The longest word healed, the character before it counted where it goes along (the answer spells it again, a
+# token at a time): past it, none is.
 HEAL_MAX_CHARS = 48
 _WORD_END = re.compile(r"\w+\Z")
 # In the middle layout, with the blank or the lone mark before it that BPE writes as the word's first character

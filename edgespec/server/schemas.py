@@ -88,9 +88,9 @@ FIELDS: dict[str, Field] = {
     "input_extra": Field("other files' chunks [{filename, text}], as repository context", (INFILL,)),
     "token_healing": Field("where the typed text ('prompt') ends inside a word (in the middle layout with the "
                            "blank or mark before it, and in blanks or marks too), the word is left out of the prompt "
-                           "and the answer's first tokens must spell it, so "
-                           "the model writes it in tokens of its own (token healing; default true, not with a grammar "
-                           "or a continued answer; false keeps the typed text whole, in llama.cpp's layout)",
+                           "and the answer's first tokens must spell it, so the model writes it in tokens of its own "
+                           "(token healing; default true, not with a grammar or a continued answer; false keeps the "
+                           "typed text whole, in llama.cpp's layout)",
                            (INFILL,)),
     # -- length and stopping ----------------------------------------------------------------------------------
     "n_predict": Field("most tokens; -1 until the context ends, 0 evaluates the prompt into the cache only; more "

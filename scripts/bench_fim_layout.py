@@ -16,7 +16,9 @@ else.
 With --ring the prompts also carry extra chunks of other files, as a bench_editor.py session's ring holds them at
 each cursor (--ring-every, --ring-size as there): what the editor's ring is worth at a given width (--prefix-lines).
 With --relevant N, lines of the window chosen for the names near the cursor go in as an extra chunk; with
---outline N, the window's signatures above the prefix (a file's outline) go at the prefix's start.
+--outline N, the window's signatures above the prefix (a file's outline) go at the prefix's start; with --below N,
+the file's N lines after the suffix's go in as an extra chunk (--below-every K: from a line that stays while the cursor
+walks K lines, as a chunk kept cached would).
 """
 
 from __future__ import annotations
@@ -69,6 +71,11 @@ def main() -> None:
     ap.add_argument("--outline", type=int, default=0,
                     help="up to N header lines (a line the next one is indented under) of the editor's window before "
                          "the prefix, at the cursor's function's level or above, put before the prefix's lines")
+    ap.add_argument("--below", type=int, default=0,
+                    help="N lines of the file below the suffix's as an extra chunk of the file (named as it is)")
+    ap.add_argument("--below-every", type=int, default=0,
+                    help="with --below: the chunk starts at the next multiple of this many lines after the cursor "
+                         "line, so it stays while the cursor walks that many lines (0: right after the suffix)")
     ap.add_argument("--window", type=int, default=N_PREFIX, help="the editor's lines before the cursor")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "fim-layout.json")
     args = ap.parse_args()
@@ -97,6 +104,11 @@ def main() -> None:
                                 tuple((r["filename"], r["text"]) for r in ring.held))
                 if args.outline:
                     infill = replace(infill, prefix=outline(lines, first, c, args.window, args.outline) + infill.prefix)
+                if args.below:
+                    k = args.below_every
+                    at = (c.line // k + 1) * k if k else c.line + 1 + args.suffix_lines
+                    below = "".join(s + "\n" for s in lines[at:at + args.below])
+                    infill = replace(infill, extra=infill.extra + ((path.name, below),))
                 if args.relevant:
                     rel = relevant(lines, first, c, args.suffix_lines, args.window, args.relevant)
                     if rel:

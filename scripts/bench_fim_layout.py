@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "fim-layout.json")
     args = ap.parse_args()
     check_ring(ap, args)
+    if args.below < 0 or args.below_every < 0:
+        ap.error(f"--below {args.below} and --below-every {args.below_every} must be at least 0 (0: none)")
 
     n_ctx = 4096 + (8192 if args.ring else 0)  # a slot's: the prefix and suffix, and the ring's chunks
     config = EngineConfig(args.model, proposer="none", memory=False,
@@ -107,8 +109,8 @@ def main() -> None:
                 if args.below:
                     k = args.below_every
                     at = (c.line // k + 1) * k if k else c.line + 1 + args.suffix_lines
-                    below = "".join(s + "\n" for s in lines[at:at + args.below])
-                    infill = replace(infill, extra=infill.extra + ((path.name, below),))
+                    if below := "".join(s + "\n" for s in lines[at:at + args.below]):  # none past the file's end
+                        infill = replace(infill, extra=infill.extra + ((path.name, below),))
                 if args.relevant:
                     rel = relevant(lines, first, c, args.suffix_lines, args.window, args.relevant)
                     if rel:

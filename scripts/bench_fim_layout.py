@@ -18,7 +18,10 @@ each cursor (--ring-every, --ring-size as there): what the editor's ring is wort
 With --relevant N, lines of the window chosen for the names near the cursor go in as an extra chunk; with
 --outline N, the window's signatures above the prefix (a file's outline) go at the prefix's start; with --below N,
 the file's N lines after the suffix's go in as an extra chunk (--below-every K: from a line that stays while the cursor
-walks K lines, as a chunk kept cached would).
+walks K lines, as a chunk kept cached would). With --middle-lines N the N lines before the cursor line go after
+<fim_middle> with the typed text, so the suffix stands before them (middle layouts); with --cache-reuse N each slot
+keeps cached runs of at least N tokens at new positions up to the line before the cursor, the cursor where the typed
+text ends (middle layouts: the suffix may move, as /infill never lets it), instead of evaluating every prompt exactly.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -41,6 +44,8 @@ from bench_editor import (DEFAULT_FILES, N_PREFIX, N_SUFFIX, RING_EVERY, RING_SI
                           agreement, check_ring, cursor_at, cursors, parse_files)
 
 from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig  # noqa: E402
+from edgespec.engine import core  # noqa: E402
+from edgespec.gguf import Vocab  # noqa: E402
 from edgespec.prompts.fim import LAYOUTS, NEAR_LINES, FimPrompt, Infill, healed  # noqa: E402
 
 SUFFIX_LINES = 16
@@ -76,18 +81,30 @@ def main() -> None:
     ap.add_argument("--below-every", type=int, default=0,
                     help="with --below: the chunk starts at the next multiple of this many lines after the cursor "
                          "line, so it stays while the cursor walks that many lines (0: right after the suffix)")
+    ap.add_argument("--middle-lines", type=int, default=0,
+                    help="the N lines before the cursor line go at the middle's start, with the typed text (middle "
+                         "layouts): the suffix then stands before them")
+    ap.add_argument("--cache-reuse", type=int, default=0,
+                    help="keep cached runs of at least N tokens at new positions before the line before the cursor "
+                         "(the cursor: where the typed text ends)")
     ap.add_argument("--window", type=int, default=N_PREFIX, help="the editor's lines before the cursor")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "fim-layout.json")
     args = ap.parse_args()
     check_ring(ap, args)
-    if args.below < 0 or args.below_every < 0:
-        ap.error(f"--below {args.below} and --below-every {args.below_every} must be at least 0 (0: none)")
+    for name in ("below", "below_every", "middle_lines", "cache_reuse"):
+        if getattr(args, name) < 0:
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 0 (0: none)")
+    if (args.middle_lines or args.cache_reuse) and any(VARIANTS[v][0] != "middle" for v in args.variants):
+        ap.error("--middle-lines and --cache-reuse lay out the middle layouts only; pass --variants middle "
+                 "middle-healed")
 
     n_ctx = 4096 + (8192 if args.ring else 0)  # a slot's: the prefix and suffix, and the ring's chunks
     config = EngineConfig(args.model, proposer="none", memory=False,
                           load=LoadConfig(n_ctx=n_ctx, n_threads=args.threads, n_seq=len(args.variants)))
     records: list[dict] = []
     ring = Ring([ROOT / f for f in args.ring], args.ring_size, args.ring_every)
+    if args.cache_reuse:  # the engine's generations take this replay's anchor
+        core.cursor_anchor = typed_end_anchor
     with Engine(config) as eng:
         m = eng.target
         prompts = {layout: FimPrompt(m.vocab, lambda t: m.tokenize(t, add_special=False, parse_special=False), layout)
@@ -111,6 +128,11 @@ def main() -> None:
                     at = (c.line // k + 1) * k if k else c.line + 1 + args.suffix_lines
                     if below := "".join(s + "\n" for s in lines[at:at + args.below]):  # none past the file's end
                         infill = replace(infill, extra=infill.extra + ((path.name, below),))
+                if args.middle_lines:
+                    pre = infill.prefix.splitlines(keepends=True)
+                    k = min(args.middle_lines, len(pre))
+                    infill = replace(infill, prefix="".join(pre[:len(pre) - k]),
+                                     typed="".join(pre[len(pre) - k:]) + infill.typed)
                 if args.relevant:
                     rel = relevant(lines, first, c, args.suffix_lines, args.window, args.relevant)
                     if rel:
@@ -122,9 +144,11 @@ def main() -> None:
                     tokens, _, _ = prompts[layout].tokens(held)
                     t0 = time.perf_counter()
                     out = eng.generate(tokens, GenerationConfig(max_tokens=args.max_tokens, slot=slot, memory=None,
-                                                                min_indent=c.indent, heal=heal))
+                                                                min_indent=c.indent, heal=heal,
+                                                                cache_reuse=args.cache_reuse))
                     row[variant] = {"text": out.text, "agree": agreement(out.text, c.real),
                                    "prompt_tokens": len(tokens), "cached": out.stats.cached_prompt_tokens,
+                                   "moved": out.stats.shifted_prompt_tokens,
                                    "seconds": time.perf_counter() - t0}
                 records.append(row)
                 print(f"{row['where']:<24} " + "  ".join(f"{v} {row[v]['agree']:>3}" for v in args.variants),
@@ -149,6 +173,20 @@ _NAME = re.compile(r"\w_|_\w|[a-z][A-Z]|\d")  # a word that names a thing in cod
 _CODE = re.compile(r"[=(){};:\[\]]")
 _CLASSLIKE = re.compile(r"(export\s+)?(class|struct|namespace|impl|interface)\b")
 _COMMENT = ("#", "//", "*", "/*")  # how a comment line starts
+
+
+def typed_end_anchor(prompt: Sequence[int], vocab: Vocab, piece: Callable[[int], bytes]) -> int | None:
+    """In a middle layout's prompt, the start of the line before the cursor, the cursor at the prompt's end (where
+    the typed text ends), and no earlier than the middle; prompts.fim.cursor_anchor takes the end of the prefix."""
+    tokens = list(prompt)
+    if vocab.fim_mid is None or vocab.fim_mid not in tokens:
+        return None
+    mid, newlines = len(tokens) - 1 - tokens[::-1].index(vocab.fim_mid), 0
+    for i in range(len(tokens) - 1, mid, -1):
+        newlines += piece(tokens[i]).count(b"\n")
+        if newlines >= 2:
+            return i + 1
+    return mid + 1
 
 
 def outline(lines: list[str], first: int, c: Cursor, window: int, most: int) -> str:

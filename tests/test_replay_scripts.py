@@ -10,9 +10,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
 import bench_editor  # noqa: E402
+import bench_fim_layout  # noqa: E402
 import replay_auto  # noqa: E402
 import replay_memory  # noqa: E402
 
+from edgespec.gguf import Vocab  # noqa: E402
 from edgespec.memory import Memory  # noqa: E402
 from edgespec.proposers.memory import MemoryProposer  # noqa: E402
 
@@ -109,3 +111,18 @@ def test_the_editor_benchmark_counts_a_files_first_completions_apart():
             fim("b.py:3:0", 3), fim("b.py:3:6", 12), fim("b.py:4:0", 1), fim("b.py:4:4", 4)]
     assert bench_editor.COLD_FIRST == 3
     assert bench_editor.right(fims) == "5/8 (3 + 2)"  # a.py: 2 of its first 3, then 1; b.py: 1, then 1
+
+
+def test_the_fim_replays_anchor_with_reuse_is_the_line_before_the_prompts_end():
+    """--cache-reuse: in a middle layout's prompt the cursor is the prompt's end, so the suffix before <fim_middle> may
+    move, and the line before the cursor line (after <fim_middle>) may not."""
+    pre, suf, mid = 1001, 1002, 1003
+    vocab = Vocab(n_tokens=2000, type=2, bos=None, eos=1, add_bos=False, fim_pre=pre, fim_suf=suf, fim_mid=mid,
+                  fim_pad=None, fim_rep=None, fim_sep=None)
+    piece = lambda t: chr(t).encode() if t < 1000 else b""  # noqa: E731
+    chars = lambda text: [ord(c) for c in text]  # noqa: E731
+    lines = [pre, *chars("a\n"), suf, *chars("s1\ns2\n"), mid, *chars("n1\nn2\n  x")]
+    assert lines[bench_fim_layout.typed_end_anchor(lines, vocab, piece):] == chars("n2\n  x")
+    typed = [pre, *chars("a\n"), suf, *chars("s1\n"), mid, *chars("  x")]
+    assert bench_fim_layout.typed_end_anchor(typed, vocab, piece) == typed.index(mid) + 1
+    assert bench_fim_layout.typed_end_anchor(chars("no fim\n"), vocab, piece) is None

@@ -94,6 +94,8 @@ def main() -> None:
     for name in ("below", "below_every", "middle_lines", "cache_reuse"):
         if getattr(args, name) < 0:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 0 (0: none)")
+    if args.below_every and not args.below:
+        ap.error(f"--below-every {args.below_every} places the chunk of --below lines; pass --below N too")
     if (args.middle_lines or args.cache_reuse) and any(VARIANTS[v][0] != "middle" for v in args.variants):
         ap.error("--middle-lines and --cache-reuse lay out the middle layouts only; pass --variants middle "
                  "middle-healed")

@@ -46,7 +46,7 @@ from bench_editor import (DEFAULT_FILES, N_PREFIX, N_SUFFIX, RING_EVERY, RING_SI
 from edgespec import Engine, EngineConfig, GenerationConfig, LoadConfig  # noqa: E402
 from edgespec.engine import core  # noqa: E402
 from edgespec.gguf import Vocab  # noqa: E402
-from edgespec.prompts.fim import LAYOUTS, NEAR_LINES, FimPrompt, Infill, healed  # noqa: E402
+from edgespec.prompts.fim import LAYOUTS, NEAR_LINES, FimPrompt, Infill, healed, line_before  # noqa: E402
 
 SUFFIX_LINES = 16
 PREFIX_LINES = 96  # the prefix starts this many lines before the first cursor of a file, then grows
@@ -183,12 +183,9 @@ def typed_end_anchor(prompt: Sequence[int], vocab: Vocab, piece: Callable[[int],
     tokens = list(prompt)
     if vocab.fim_mid is None or vocab.fim_mid not in tokens:
         return None
-    mid, newlines = len(tokens) - 1 - tokens[::-1].index(vocab.fim_mid), 0
-    for i in range(len(tokens) - 1, mid, -1):
-        newlines += piece(tokens[i]).count(b"\n")
-        if newlines >= 2:
-            return i + 1
-    return mid + 1
+    mid = len(tokens) - 1 - tokens[::-1].index(vocab.fim_mid)
+    at = line_before(tokens, len(tokens), mid, piece)
+    return mid + 1 if at is None else at
 
 
 def outline(lines: list[str], first: int, c: Cursor, window: int, most: int) -> str:

@@ -431,12 +431,19 @@ def cursor_anchor(prompt: Sequence[int], vocab: Vocab, piece: Callable[[int], by
         return None
     # the cursor: where the prefix ends, at <fim_suffix> after it (PSM), else at <fim_middle> (SPM) or the end
     cursor = min(_find(tokens, vocab.fim_suf, pre + 1), _find(tokens, vocab.fim_mid, pre + 1))
+    at = line_before(tokens, cursor, max(pre, cursor - ANCHOR_SCAN), piece)
+    return pre + 1 if at is None else at
+
+
+def line_before(prompt: Sequence[int], end: int, floor: int, piece: Callable[[int], bytes]) -> int | None:
+    """The start of the line before the one `end` is in: the token after the second newline back from `end`, searched
+    down to `floor` (not included); None where there is none after it."""
     newlines = 0
-    for i in range(cursor - 1, max(pre, cursor - ANCHOR_SCAN), -1):
+    for i in range(end - 1, floor, -1):
         newlines += piece(prompt[i]).count(b"\n")
         if newlines >= 2:
             return i + 1
-    return pre + 1
+    return None
 
 
 def _last(tokens: list[int], token: int | None) -> int | None:

@@ -233,6 +233,21 @@ def test_a_long_line_at_the_cursor_is_cut_in_whole_steps_that_typing_on_keeps_an
     assert fitted.kept.prefix_tokens == (4, 4) and fitted.tokens[-len(cut.typed):] == chars(cut.typed)
 
 
+def test_a_long_line_is_cut_by_tokenizing_about_what_is_kept_not_the_line_at_each_step():
+    """A minified line of 60,000 characters at the cursor or after it: the cut tokenizes the line a few times and
+    then steps of about what it keeps, not most of the line once per step (which took tens of seconds)."""
+    seen: list[int] = []
+    fim = FimPrompt(PLAIN, lambda text: seen.append(len(text)) or chars(text), "middle")
+    line = "".join(chr(97 + i % 26) for i in range(60_000))
+    long_typed, long_rest, long_below = (Infill("a\n", "\nz\n", line), Infill("a\n", line + "\nz\n", "x = "),
+                                         Infill("a\n", "\n" + line, "x"))
+    for infill in (long_typed, long_rest, long_below):
+        seen.clear()
+        cut = fim.cut_long(infill, 140)
+        assert len(cut.typed) + len(cut.suffix) <= 2 * CUT_STEP + 140  # about half of 140 tokens, in whole steps
+        assert sum(seen) <= 4 * len(line), (sum(seen), len(seen))
+
+
 def test_the_typed_text_alone_when_the_nearest_lines_do_not_fit_the_room():
     f = FimPrompt(PLAIN, chars).fit(Infill("a\n" * 5, "b\n" * 5, "x" * 50), room=55, max_new=10)
     assert f.tokens == [PRE, *chars("x" * 50), SUF, MID] and f.kept.cut

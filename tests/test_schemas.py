@@ -73,6 +73,19 @@ def test_fields_not_honoured_are_refused_by_name(body, route, message):
         gen(body, route)
 
 
+@pytest.mark.parametrize("body, route, name", [
+    ({"suffix": "x = 1;" * 20_000}, OPENAI_COMPLETIONS, "'suffix'"),
+    ({"temperature": "9" * 100_000}, COMPLETION, "'temperature'"),
+    ({"k" * 100_000: 1}, COMPLETION, "'kkk"),
+])
+def test_a_refused_value_is_named_by_its_start_not_echoed_whole(body, route, name):
+    """A field can hold a whole file (a minified line as `suffix`): the error names the field and quotes the value's
+    start, and stays a line long."""
+    with pytest.raises(InvalidRequestError) as e:
+        gen(body, route)
+    assert str(e.value).startswith(name) and len(str(e.value)) < 400 and "..." in str(e.value), str(e.value)[:500]
+
+
 def test_penalties_bias_probabilities_and_constraints_reach_the_config():
     r = schemas.generation({"repeat_penalty": 1.3, "repeat_last_n": -1, "frequency_penalty": 0.5,
                             "presence_penalty": 0.25, "logit_bias": [[7, False], ["hi", 2]], "n_probs": 3,

@@ -19,7 +19,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 
@@ -288,12 +288,16 @@ class FimPrompt:
         """`infill` with what a long line puts next to the cursor cut where it alone is over twice `most` tokens
         (what the nearest lines may take; a line of code is far shorter): the typed text (the cursor far into a long
         line) to its end, the suffix to fewer of its nearest lines, else to the start of its first. Cut to half of
-        `most` in whole CUT_STEPs of characters, so that typing on finds the same cut cached."""
+        `most` in whole CUT_STEPs of characters, so that typing on finds the same cut cached. The steps are tried
+        from the cursor outwards, the widest taken before the first that does not fit: each tokenization is about
+        `half` tokens, where trying them from the far end tokenized most of the line at each step
+        (docs/bench/editor.md)."""
         fits = lambda text, n: len(self.tokenize(text)) <= n  # noqa: E731
         half, over, typed, suffix = max(1, most // 2), 2 * most, infill.typed, infill.suffix
         if not fits(typed, over):  # from a whole step after its start: the widest that fits, else the shortest
             starts = range(CUT_STEP, len(typed), CUT_STEP)
-            typed = typed[next((j for j in starts if fits(typed[j:], half)), starts[-1] if starts else 0):]
+            at = _run_end(reversed(starts), lambda j: fits(typed[j:], half))
+            typed = typed[at if at is not None else starts[-1] if starts else 0:]
         lines, through = suffix.splitlines(keepends=True), _counted_lines(suffix)[:SUFFIX_LINES]
         held = [n for n in through if fits("".join(lines[:n]), over)]
         # fewer of the nearest lines (every prompt takes them: over the budget, they would crowd out the lines before
@@ -301,8 +305,8 @@ class FimPrompt:
         if held and len(held) < len(through):
             suffix = "".join(lines[:held[-1]])
         elif through and not held:
-            ends = range(len(lines[0]) // CUT_STEP * CUT_STEP, 0, -CUT_STEP)
-            suffix = suffix[:next((k for k in ends if fits(suffix[:k], half)), 0)]
+            ends = range(CUT_STEP, len(lines[0]) // CUT_STEP * CUT_STEP + 1, CUT_STEP)
+            suffix = suffix[:_run_end(ends, lambda k: fits(suffix[:k], half)) or 0]
         return replace(infill, typed=typed, suffix=suffix)
 
     def stable(self, infill: Infill, first: int, most: int, held: str = "") -> tuple[list[int], str]:
@@ -490,6 +494,16 @@ def _counted_lines(suffix: str) -> tuple[int, ...]:
     lines = suffix.splitlines()
     through = [i + 1 for i, line in enumerate(lines) if i == 0 or line.strip()]
     return (*through[:-1], len(lines)) if through else ()
+
+
+def _run_end(candidates: Iterable[int], ok: Callable[[int], bool]) -> int | None:
+    """The last of `candidates`, in their order, before the first that is not `ok`; None when the first is not."""
+    last = None
+    for c in candidates:
+        if not ok(c):
+            break
+        last = c
+    return last
 
 
 def _largest(top: int, build: Callable[[int], T | None]) -> tuple[int, T | None]:

@@ -37,6 +37,7 @@ MAX_STOP_LENGTH = 256
 MAX_EXTRA_CHUNKS = 64
 MAX_RESPONSE_FIELDS = 64
 MAX_COMPLETIONS = 8  # n_cmpl
+SHOWN_CHARS = 80  # of a refused value an error quotes: a field can hold a whole file
 
 OPENAI_CHAT, OPENAI_COMPLETIONS, COMPLETION, INFILL = "/v1/chat/completions", "/v1/completions", "/completion", "/infill"
 ROUTES = (OPENAI_CHAT, OPENAI_COMPLETIONS, COMPLETION, INFILL)
@@ -207,6 +208,13 @@ FIELDS: dict[str, Field] = {
 }
 
 
+def shown(value: Any, dump: Callable[[Any], str] = repr) -> str:
+    """A value as an error quotes it (`dump`: repr, or json.dumps as it was sent): its first SHOWN_CHARS
+    characters, then "..." where there were more."""
+    text = dump(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
+
+
 def check_fields(body: dict[str, Any], route: str) -> None:
     """Refuse, by name, a field this route does not know or does not implement at the value sent."""
     if route in _OAI and body.get("response_fields") in ([], [""]):  # llama.vim's chat warm-up: selects nothing
@@ -214,10 +222,10 @@ def check_fields(body: dict[str, Any], route: str) -> None:
     for key, value in body.items():
         f = FIELDS.get(key)
         if f is None or route not in f.routes:
-            raise InvalidRequestError(f"{key!r} is not a field {route} takes; remove it (the README's endpoint "
+            raise InvalidRequestError(f"{shown(key)} is not a field {route} takes; remove it (the README's endpoint "
                                       f"table lists every field edgespec honours or accepts)")
         if f.no_op is not None and not f.no_op(value):
-            raise InvalidRequestError(f"'{key}' {json.dumps(value)} is {f.what}; remove the field")
+            raise InvalidRequestError(f"'{key}' {shown(value, json.dumps)} is {f.what}; remove the field")
 
 
 def number(body: dict[str, Any], key: str, default: float | None, lo: float, hi: float, integer: bool = False,
@@ -231,7 +239,7 @@ def number(body: dict[str, Any], key: str, default: float | None, lo: float, hi:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and isinstance(value, float)
                                                                            and not value.is_integer()):
-        raise InvalidRequestError(f"'{name}' must be {'an integer' if integer else 'a number'}, got {value!r}")
+        raise InvalidRequestError(f"'{name}' must be {'an integer' if integer else 'a number'}, got {shown(value)}")
     if math.isnan(value) or not lo <= value <= hi:
         bounds = f"{int(lo)} and {int(hi)}" if integer else f"{lo:g} and {hi:g}"
         raise InvalidRequestError(f"'{name}' must be between {bounds}, got {value!r}")
@@ -265,7 +273,7 @@ def flag(body: dict[str, Any], key: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise InvalidRequestError(f"'{key}' must be true or false, got {value!r}")
+        raise InvalidRequestError(f"'{key}' must be true or false, got {shown(value)}")
     return value
 
 
@@ -309,7 +317,7 @@ def generation(body: dict[str, Any], route: str, n_ctx: int, default_max_tokens:
         **_constraint(body))
     options = body.get("stream_options")
     if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
-        raise InvalidRequestError(f"'stream_options' {options!r}: only {{\"include_usage\": bool}} is supported")
+        raise InvalidRequestError(f"'stream_options' {shown(options)}: only {{\"include_usage\": bool}} is supported")
     settings = {"n_predict": -1 if max_tokens is None else max_tokens, "temperature": sampling.temperature,
                 "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p,
                 "seed": -1 if sampling.seed is None else sampling.seed, "n_indent": config.min_indent,
@@ -364,19 +372,20 @@ def _logit_bias(body: dict[str, Any], n_vocab: int,
         pairs = [(k, b) for k, b in value]
     else:
         raise InvalidRequestError(f"'logit_bias' must be {{\"token id\": bias}} or [[id or text, bias], ...], "
-                                  f"got {json.dumps(value)[:80]}")
+                                  f"got {shown(value, json.dumps)}")
     out = []
     for key, bias in pairs:
         if bias is False:
             bias = -math.inf
         elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
-            raise InvalidRequestError(f"'logit_bias' value {bias!r} for {key!r} must be a number or false")
+            raise InvalidRequestError(f"'logit_bias' value {shown(bias)} for {shown(key)} must be a number or false")
         if isinstance(key, int) and not isinstance(key, bool) or isinstance(key, str) and key.lstrip("-").isdigit():
             ids = [int(key)]
         elif isinstance(key, str) and tokenize is not None:
             ids = tokenize(key)
         else:
-            raise InvalidRequestError(f"'logit_bias' key {key!r} must be a token id (or, on llama.cpp's routes, text)")
+            raise InvalidRequestError(f"'logit_bias' key {shown(key)} must be a token id (or, on llama.cpp's routes, "
+                                      f"text)")
         bad = [t for t in ids if not 0 <= t < n_vocab]
         if bad:
             raise InvalidRequestError(f"'logit_bias' token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})")
@@ -415,7 +424,7 @@ def _constraint(body: dict[str, Any]) -> dict[str, Any]:
         return {"grammar": grammar}
     if not _empty(schema):
         if not isinstance(schema, dict):
-            raise InvalidRequestError(f"'json_schema' must be a JSON schema object, got {json.dumps(schema)[:80]}")
+            raise InvalidRequestError(f"'json_schema' must be a JSON schema object, got {shown(schema, json.dumps)}")
         return {"json_schema": schema}
     if _empty(fmt):
         return {}
@@ -432,7 +441,7 @@ def _constraint(body: dict[str, Any]) -> dict[str, Any]:
                                   f"\"json_schema\": {{\"name\": ..., \"schema\": {{...}}}}}}")
     if not isinstance(schema, dict):
         raise InvalidRequestError(f"'response_format' schema must be a JSON schema object, got "
-                                  f"{json.dumps(schema)[:80]}")
+                                  f"{shown(schema, json.dumps)}")
     return {"json_schema": schema}
 
 
@@ -444,22 +453,22 @@ def _samplers(body: dict[str, Any]) -> tuple[str, ...]:
     if isinstance(value, str):
         names = [SAMPLER_CHARS.get(c) for c in value]
         if None in names:
-            raise InvalidRequestError(f"'samplers' {value!r}: letters are {''.join(SAMPLER_CHARS)}")
+            raise InvalidRequestError(f"'samplers' {shown(value)}: letters are {''.join(SAMPLER_CHARS)}")
     elif isinstance(value, list) and all(isinstance(n, str) for n in value):
         names = [SAMPLER_ALIASES.get(n.lower(), n.lower()) for n in value]
         unknown = [n for n in names if n not in SAMPLER_CHAIN and n != "infill"]
         if unknown:
-            raise InvalidRequestError(f"'samplers' has unknown names {unknown}; use names from "
+            raise InvalidRequestError(f"'samplers' has unknown names {shown(unknown)}; use names from "
                                       f"{', '.join(SAMPLER_CHAIN)}, infill")
     else:
         raise InvalidRequestError("'samplers' must be a list of names or a string of letters")
     if "infill" in names[:-1]:
-        raise InvalidRequestError(f"'samplers' {value!r}: edgespec applies infill last only (as llama.vim and "
+        raise InvalidRequestError(f"'samplers' {shown(value)}: edgespec applies infill last only (as llama.vim and "
                                   f"llama.vscode send it); move it to the end")
     own = [n for n in names if n in OWN_SAMPLERS]
     if own != [n for n in SAMPLER_CHAIN if n in own]:
-        raise InvalidRequestError(f"'samplers' {value!r}: edgespec applies {', '.join(OWN_SAMPLERS)} in that order "
-                                  f"only (llama.cpp's default); reorder them")
+        raise InvalidRequestError(f"'samplers' {shown(value)}: edgespec applies {', '.join(OWN_SAMPLERS)} in that "
+                                  f"order only (llama.cpp's default); reorder them")
     return tuple(names)  # type: ignore[arg-type]
 
 
@@ -469,11 +478,11 @@ def _speculative(body: dict[str, Any]) -> tuple[str | None, int | None]:
     if spec is None:
         spec = {}
     if not isinstance(spec, dict) or not set(spec) <= {"proposer", "k", "enabled"}:
-        raise InvalidRequestError(f"'speculative' {spec!r} must be an object with any of proposer "
+        raise InvalidRequestError(f"'speculative' {shown(spec)} must be an object with any of proposer "
                                   f"({', '.join(PROPOSERS)}), k (0..{MAX_K}) and enabled (true/false)")
     proposer = spec.get("proposer")
     if proposer is not None and proposer not in PROPOSERS:
-        raise InvalidRequestError(f"'speculative.proposer' {proposer!r}: use one of {', '.join(PROPOSERS)}")
+        raise InvalidRequestError(f"'speculative.proposer' {shown(proposer)}: use one of {', '.join(PROPOSERS)}")
     k = number(spec, "k", None, 0, MAX_K, integer=True)
     n_max = number(body, "speculative.n_max", None, 0, MAX_K, integer=True)
     k = n_max if k is None else k if n_max is None else min(k, n_max)
@@ -574,7 +583,8 @@ def only_fields(body: dict[str, Any], known: set[str], route: str) -> None:
     """The check_fields of a route that is not a generation's: its few fields, nothing else."""
     for key in body:
         if key not in known:
-            raise InvalidRequestError(f"{key!r} is not a field {route} takes; its fields are {', '.join(sorted(known))}")
+            raise InvalidRequestError(f"{shown(key)} is not a field {route} takes; its fields are "
+                                      f"{', '.join(sorted(known))}")
 
 
 def tokenize_request(body: dict[str, Any]) -> tuple[str, bool, bool, bool]:

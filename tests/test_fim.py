@@ -235,7 +235,7 @@ def test_a_long_line_at_the_cursor_is_cut_in_whole_steps_that_typing_on_keeps_an
 
 def test_a_long_line_is_cut_by_tokenizing_about_what_is_kept_not_the_line_at_each_step():
     """A minified line of 60,000 characters at the cursor or after it: the cut tokenizes the line a few times and
-    then steps of about what it keeps, not most of the line once per step (which took tens of seconds)."""
+    then steps of about what it keeps, not most of the line once per step (docs/bench/editor.md)."""
     seen: list[int] = []
     fim = FimPrompt(PLAIN, lambda text: seen.append(len(text)) or chars(text), "middle")
     line = "".join(chr(97 + i % 26) for i in range(60_000))

@@ -10,7 +10,16 @@ import contextlib
 import os
 import sys
 import tempfile
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
+
+SHOWN_CHARS = 80  # of an offending value a message quotes: a request's field can hold a whole file
+
+
+def shown(value: Any, dump: Callable[[Any], str] = repr) -> str:
+    """A value as a message quotes it (`dump`: repr, or json.dumps as it was sent): its first SHOWN_CHARS
+    characters, then "..." where there were more."""
+    text = dump(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
 
 
 class EdgespecError(Exception):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from edgespec.errors import InvalidRequestError
+from edgespec.prompts import tools
 from edgespec.server import schemas
 from edgespec.server.schemas import COMPLETION, INFILL, OPENAI_CHAT, OPENAI_COMPLETIONS
 
@@ -84,6 +85,12 @@ def test_a_refused_value_is_named_by_its_start_not_echoed_whole(body, route, nam
     with pytest.raises(InvalidRequestError) as e:
         gen(body, route)
     assert str(e.value).startswith(name) and len(str(e.value)) < 400 and "..." in str(e.value), str(e.value)[:500]
+
+
+def test_a_tool_name_that_is_a_whole_file_is_quoted_by_its_start():
+    with pytest.raises(InvalidRequestError, match=r"tools\[0\]\.function\.name 'nnn") as e:
+        tools.check_tools([{"type": "function", "function": {"name": "n" * 100_000}}], lambda schema, what: None)
+    assert len(str(e.value)) < 400
 
 
 def test_penalties_bias_probabilities_and_constraints_reach_the_config():

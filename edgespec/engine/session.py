@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from edgespec.decoding.loop import Stats
-from edgespec.errors import TranscriptError
+from edgespec.errors import TranscriptError, shown
 from edgespec.prompts.chat import Message
 
 
@@ -141,7 +141,7 @@ def read_transcript(path: Path) -> list[Message]:
                               f"\"content\": \"...\"}}, ...] as /save writes it")
     for i, m in enumerate(messages):
         if not (isinstance(m, dict) and m.get("role") in ROLES and isinstance(m.get("content"), str)):
-            raise TranscriptError(f"message {i} of {path} is {json.dumps(m)[:80]}; each needs a role (system, user "
+            raise TranscriptError(f"message {i} of {path} is {shown(m, json.dumps)}; each needs a role (system, user "
                                   f"or assistant) and a string content")
         if m["role"] == "system" and i:
             raise TranscriptError(f"message {i} of {path} is a system message; only the first may be one")

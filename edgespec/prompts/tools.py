@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from edgespec.errors import InvalidRequestError
+from edgespec.errors import InvalidRequestError, shown
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")  # OpenAI's rule for function names
@@ -50,14 +50,14 @@ def check_tools(tools: Any, check_schema: Callable[[dict, str], None]) -> list[d
         fn = tool["function"]
         name = fn.get("name")
         if not isinstance(name, str) or not _NAME.match(name):
-            raise InvalidRequestError(f"{where}.function.name {name!r} must be 1-64 letters, digits, _ . or -")
+            raise InvalidRequestError(f"{where}.function.name {shown(name)} must be 1-64 letters, digits, _ . or -")
         if name in names:
-            raise InvalidRequestError(f"{where}.function.name {name!r} is given twice; name each tool once")
+            raise InvalidRequestError(f"{where}.function.name {shown(name)} is given twice; name each tool once")
         names.add(name)
         params = fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise InvalidRequestError(f"{where}.function.parameters must be a JSON schema of type object, got "
-                                      f"{json.dumps(params)[:80]}")
+                                      f"{shown(params, json.dumps)}")
         check_schema(params, f"{where}.function.parameters")
     return tools
 
@@ -79,7 +79,7 @@ def choose(tools: list[dict[str, Any]], choice: Any, parallel: bool,
     elif choice == "none":
         return ToolPlan(tools, None, False, True)
     else:
-        raise InvalidRequestError(f"'tool_choice' {choice!r} must be none, auto, required or a named function")
+        raise InvalidRequestError(f"'tool_choice' {shown(choice)} must be none, auto, required or a named function")
     call = {"anyOf": [{"type": "object", "properties": {
         "name": {"const": t["function"]["name"]},
         "arguments": t["function"].get("parameters", {"type": "object", "properties": {}})},

@@ -30,14 +30,13 @@ from edgespec.config import (
 )
 from edgespec.prompts import tools
 from edgespec.prompts.fim import Infill
-from edgespec.errors import InvalidRequestError
+from edgespec.errors import InvalidRequestError, shown
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LENGTH = 256
 MAX_EXTRA_CHUNKS = 64
 MAX_RESPONSE_FIELDS = 64
 MAX_COMPLETIONS = 8  # n_cmpl
-SHOWN_CHARS = 80  # of a refused value an error quotes: a field can hold a whole file
 
 OPENAI_CHAT, OPENAI_COMPLETIONS, COMPLETION, INFILL = "/v1/chat/completions", "/v1/completions", "/completion", "/infill"
 ROUTES = (OPENAI_CHAT, OPENAI_COMPLETIONS, COMPLETION, INFILL)
@@ -206,13 +205,6 @@ FIELDS: dict[str, Field] = {
     "speculative.n_min": Field("refused unless 0: auto decides per cycle whether a bet pays", no_op=_is(0)),
     "speculative.p_min": Field("refused unless 0: auto sets the draft's own cut-off", no_op=_is(0.0)),
 }
-
-
-def shown(value: Any, dump: Callable[[Any], str] = repr) -> str:
-    """A value as an error quotes it (`dump`: repr, or json.dumps as it was sent): its first SHOWN_CHARS
-    characters, then "..." where there were more."""
-    text = dump(value)
-    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS] + "..."
 
 
 def check_fields(body: dict[str, Any], route: str) -> None:

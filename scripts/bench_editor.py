@@ -85,25 +85,30 @@ class Cursor:
     blank: bool = False
 
 
-def cursors(path: Path, start: int, n_lines: int) -> Iterator[Cursor]:
+def cursors(path: Path, start: int, n_lines: int, write: bool = False) -> Iterator[Cursor]:
     """The user (re)writes each non-blank line of [start, start + n_lines): a completion after the indent, then one
     half-way through the line. The rest of the line is not written yet, so the editor's suffix starts with the line
-    end, and the completion is compared with the line's real rest (and the lines after it)."""
+    end, and the completion is compared with the line's real rest (and the lines after it). The lines below the
+    cursor line are the file's, as if each line were written again over the file (the suffix loses a line at each
+    line start); with `write` the block's lines are new, written one after the other above the file's lines after
+    the block (the suffix stays the same while the block is written)."""
     lines = path.read_text().splitlines()
-    for y in range(start, min(start + n_lines, len(lines))):
+    end = min(start + n_lines, len(lines))
+    for y in range(start, end):
         line = lines[y]
         indent = len(line) - len(line.lstrip())
         if not line.strip():
             continue
         for x in sorted({indent, indent + (len(line) - indent) // 2}):
-            yield cursor_at(path, lines, y, x)
+            yield cursor_at(path, lines, y, x, end if write else None)
 
 
-def cursor_at(path: Path, lines: list[str], y: int, x: int) -> Cursor:
-    """The cursor at column `x` of line `y` of `lines` (the file at `path`), with the editors' windows around it."""
-    line = lines[y]
+def cursor_at(path: Path, lines: list[str], y: int, x: int, below: int | None = None) -> Cursor:
+    """The cursor at column `x` of line `y` of `lines` (the file at `path`), with the editors' windows around it; the
+    lines after the cursor line from line `below` on (None: the next line)."""
+    line, below = lines[y], y + 1 if below is None else below
     return Cursor(str(path), y, x, "".join(s + "\n" for s in lines[max(0, y - N_PREFIX):y]),
-                  "\n".join(["", *lines[y + 1:y + 1 + N_SUFFIX]]) + "\n", line[:x], len(line) - len(line.lstrip()),
+                  "\n".join(["", *lines[below:below + N_SUFFIX]]) + "\n", line[:x], len(line) - len(line.lstrip()),
                   "\n".join([line[x:], *lines[y + 1:y + 8]]), not line[:x].strip())
 
 
@@ -322,12 +327,12 @@ def turn(peer: Peer, others: list[Peer], fn: Any) -> Any:
 
 
 def session(peers: list[Peer], flavour: str, files: list[tuple[Path, int, int]], ring_files: list[Path],
-            ring_size: int, ring_every: int, think: float, greedy: bool = False) -> None:
+            ring_size: int, ring_every: int, think: float, greedy: bool = False, write: bool = False) -> None:
     fim, warmup = FLAVOURS[flavour]
     ring = Ring(ring_files, ring_size, ring_every)
     for path, start, n in files:
         last_line = None
-        for c in cursors(path, start, n):
+        for c in cursors(path, start, n, write):
             if c.line != last_line:
                 last_line = c.line
                 if ring.walked():
@@ -459,6 +464,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--greedy", action="store_true",
                     help="temperature 0 in every completion (not the editors' own): right completions without noise")
+    ap.add_argument("--write", action="store_true",
+                    help="each walked block is written anew above the lines after it, which stay the suffix "
+                         "(default: each line written again over the file, so the suffix loses a line at each)")
     ap.add_argument("--edgespec-args", default="", help="extra arguments for edgespec serve")
     ap.add_argument("--servers", nargs="+", default=["edgespec", "llama-server"], choices=["edgespec", "llama-server"],
                     help="one alone for a quick look at its own records (no ratio: runs are fair only side by side)")
@@ -491,7 +499,7 @@ def main() -> None:
             for p in peers:  # one at a time: edgespec calibrates at its first load, on a quiet machine
                 p.start(args.out.with_suffix(f".{p.name}.log"))
             session(peers, flavour, parse_files(args.files), [ROOT / f for f in args.ring], args.ring_size,
-                    args.ring_every, args.think, args.greedy)
+                    args.ring_every, args.think, args.greedy, args.write)
         finally:
             for p in peers:
                 p.stop()

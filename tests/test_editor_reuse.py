@@ -4,6 +4,7 @@ request evaluates after the window slid, after an insertion, after a warm-up, an
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import os
 import signal
 import subprocess
@@ -597,6 +598,30 @@ def test_a_line_start_past_its_budget_keeps_the_slots_lines_in_place_where_a_mov
         assert again.tokens[:held] == first.tokens[:held], (first.kept, again.kept)
         assert again.kept.prefix_tokens[0] > first.kept.prefix_tokens[0], (first.kept, again.kept)
         assert again.new_tokens <= eng.prompt_rate.tokens_within(NEAR_BUDGETS * 0.1), (first.kept, again.kept)
+
+
+def test_a_line_written_above_a_suffix_that_stayed_costs_only_its_own_tokens(qwen_draft_path):
+    """New code written above text that stays: at the next line's start the line written goes after <fim_middle>
+    (engine.infill.written_since) and is all that is evaluated, where in the prefix it would move the suffix after
+    it, to be evaluated again; the prompt holds as much as that one would, and counts the line as the prefix's."""
+    prices = ((1, 64), (0.05, 0.4))  # as above: 0.5 s buys 74 new tokens where nothing moves
+    below = "\n" + "".join(LINES[140:150])  # the file's text after the lines being written
+    here = Infill("".join(LINES[:101]), below, "    ")
+    down = Infill("".join(LINES[:102]), below)  # the line written, the cursor at the next line's start
+    with Engine(EngineConfig(str(qwen_draft_path), proposer="none", load=LoadConfig(n_ctx=4096))) as eng:
+        eng.prompt_rate = PromptRate(*prices)
+        first = eng.infill_prompt(here, 16, 0.5, cache_reuse=16, layout="middle")
+        eng.generate(first.tokens, GenerationConfig(max_tokens=1, cache_reuse=16, memory=None, slot=first.slot))
+        eng.prompt_rate = PromptRate(*prices)
+        eng.prompt_rate.shift = 0.3  # a move would buy fewer than MOVE_MIN_GAIN tokens: both prompts stay in place
+        again = eng.infill_prompt(down, 16, 0.5, cache_reuse=16, layout="middle")
+        moved_up = eng.infill_prompt(replace(down, suffix="\n" + "".join(LINES[141:151])), 16, 0.5, cache_reuse=16,
+                                     layout="middle")  # the line below became the cursor line: laid out afresh
+        mid = first.tokens.index(eng.target.vocab.fim_mid) + 1
+        assert again.tokens[:mid] == first.tokens[:mid], (first.kept, again.kept)
+        line = len(eng.target.tokenize(LINES[101], add_special=False, parse_special=False))
+        assert again.new_tokens <= line + 1 < moved_up.new_tokens, (again.new_tokens, line, moved_up.new_tokens)
+        assert again.kept.prefix_tokens[0] >= first.kept.prefix_tokens[0] + line - 1, (first.kept, again.kept)
 
 
 def test_the_nearest_lines_a_cold_request_left_out_are_priced_with_the_move_they_need(qwen_draft_path):

@@ -9,6 +9,7 @@ import pytest
 from edgespec.decoding import reuse
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
 from edgespec.gguf import Vocab
+from edgespec.engine.infill import WRITTEN_LINES, written_since
 from edgespec.prompts.fim import (CUT_STEP, HEAL_MAX_CHARS, NEAR_LINES, REPEAT_LINES, SUFFIX_LINES, SUFFIX_SHARE,
                                   TAIL_STEP, FimPrompt, Infill, Take, accepted, continuation, cursor_anchor, healed,
                                   next_lines)
@@ -433,3 +434,36 @@ def test_the_lines_an_answer_ends_before_are_the_first_nonblank_ones_below_the_c
     assert next_lines(infill) == ("y = g(x)", "return y")
     assert next_lines(replace(infill, suffix="\n")) == ()
     assert len(next_lines(Infill("", "\n" + "".join(f"line {i}\n" for i in range(9))))) == REPEAT_LINES
+
+
+def test_lines_written_above_a_suffix_that_stayed_go_after_fim_middle():
+    """New code written line by line above text that stays (the suffix): a request continues the slot's prompt, the
+    lines written since its prefix starting the middle before the typed text (engine.infill.written_since); where
+    the suffix changed (a line below became the cursor line), or the prefix is not found just above the lines, not."""
+    fim, piece = FimPrompt(PLAIN, chars, "middle"), lambda t: chr(t).encode()
+    at = Infill("a\nb\nc\nd\ne\ndef f(x):\n", "\nz = f(1)\nprint(z)\n", "    y = 1")
+    cached = fim.tokens(at)[0] + chars(" + x\n")  # the prompt and the answer after it
+    down = Infill(at.prefix + "    y = 1 + x\n    y *= 2\n", at.suffix, "    ret")
+    walked = written_since(down, cached, PLAIN, piece)
+    assert walked == Infill(at.prefix, at.suffix, "    y = 1 + x\n    y *= 2\n    ret")
+    mid = cached.index(PLAIN.fim_mid) + 1
+    assert fim.tokens(walked)[0][:mid] == cached[:mid]  # all but the middle as cached
+    # the editor's window dropped a line at its start: the prefix's end is found by its last lines (the anchor)
+    assert written_since(replace(down, prefix=down.prefix[2:]), cached, PLAIN, piece).prefix == at.prefix[2:]
+    assert written_since(replace(down, suffix="\nprint(z)\n"), cached, PLAIN, piece) is None  # the suffix moved up
+    assert written_since(at, cached, PLAIN, piece) is None  # nothing written since: laid out as ever
+    far = replace(down, prefix=at.prefix + "    y += 1\n" * (WRITTEN_LINES + 1))
+    assert written_since(far, cached, PLAIN, piece) is None
+    assert written_since(down, chars("plain text"), PLAIN, piece) is None
+
+
+def test_an_answer_after_lines_written_serves_the_editors_next_request():
+    """The prompt that continued the slot's with lines written since its prefix (written_since) leaves the answer
+    for the editor's next request as any middle-layout prompt does: the lines written are held before the answer's."""
+    fim, piece = FimPrompt(PLAIN, chars, "middle"), lambda t: chr(t).encode()
+    at = Infill("a\ndef f(x):\n", "\nprint(f(1))\n", "    y = 1")
+    down = Infill(at.prefix + "    y = 1 + x\n", at.suffix, "    return")
+    prompt = fim.tokens(written_since(down, fim.tokens(at)[0], PLAIN, piece))[0]
+    answer = " (y\n        + 1)"
+    cont = continuation(down, answer, prompt, chars(answer), PLAIN, piece, "middle")
+    assert cont is not None and cont.tokens == prompt + chars(answer) and cont.serves(accepted(down, answer))

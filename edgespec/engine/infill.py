@@ -13,6 +13,11 @@ slot holds such lines, the lines before them are evaluated in the aside, ASIDE_F
 front of the slot's when ready, which then move on (SlotPool.join_front), up to the aside's cells in all; where the
 cache cannot shift, ASIDE_GROWTH times as many lines are built afresh instead. Without an aside (LoadConfig.aside 0,
 or a model that cannot park chunks) the server widens the context in place after a pause, a few lines at a time.
+
+New code written above text that stays (the request's suffix still starts as the slot's prompt's suffix does) goes
+after <fim_middle>, before the typed text, the slot's prefix and suffix kept as they are (written_since): a line
+start then evaluates the line written, where in the prefix it would move the suffix after it, to be evaluated again.
+A cursor that moved onto a line that was below (the suffix lost its first line) is laid out as ever.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from edgespec.decoding.costs import PromptRate
 from edgespec.decoding.loop import Target, planned
 from edgespec.engine.recall import near_cursor
 from edgespec.engine.slots import Slot, SlotPool
+from edgespec.gguf import Vocab
 from edgespec.prompts.fim import Fitted, FimPrompt, Infill, Kept, cached_lines, cursor_anchor, lines_start
 
 # New tokens a request's budget must buy after moving what the slot holds (a re-rotation of every cell of the
@@ -55,6 +61,11 @@ WIDEN_LINES_STEP = 4  # of fim.FIT_STEPS: a background step adds 1/64 of the lin
 # Texts kept tokenized: a fit tokenizes the prefix, the suffix and the typed text once, and mostly the same ones
 # again on an editor's next request (the same line typed further, its speculative request).
 TOKENIZED_TEXTS = 512
+# Lines written since the slot's prompt (new code above text that stayed below) go after <fim_middle>, before the typed
+# text, while its prefix and suffix stay: a line start then evaluates the line written, not the suffix again after a
+# longer prefix. Up to this many lines; past them the prompt is laid out afresh.
+WRITTEN_LINES = 32
+WRITTEN_ANCHOR_LINES = 4  # the cached prefix's last lines that locate its end in a request's prefix
 
 
 @dataclass(frozen=True)
@@ -137,10 +148,64 @@ def infill_prompt(m: Model, pool: SlotPool, rate: PromptRate, infill: Infill, ma
     front = chosen if cache_reuse and m.can_shift and not fitted.extra_chunks else None  # moves asked, and can be
     build = (lambda: None) if aside is None or done else functools.partial(
         _aside_build, fim, infill, fitted, m.cfg.aside - ASIDE_HEAD, aside_lines, front)
-    kept = replace(fitted.kept, typed_tokens=(fitted.kept.typed_tokens[0], len(_tokens(m, asked.typed))),
-                   suffix_tokens=(fitted.kept.suffix_tokens[0], len(_tokens(m, asked.suffix))))
-    return InfillPrompt(fitted.tokens, kept, chosen, new, budget,
-                        lambda: fim.widening(infill, room, fitted, WIDEN_LINES_STEP), build)
+    widening = functools.partial(fim.widening, infill, room, fitted, WIDEN_LINES_STEP)
+    walked = _walked(fim, infill, target, room, max(budget, 1), near, lambda t: plan(target.cache, t), fitted,
+                     new) if layout == "middle" else None
+    fitted, new, written = walked or (fitted, new, "")
+    return InfillPrompt(fitted.tokens, _kept(m, fitted.kept, asked, written), chosen, new, budget, widening, build)
+
+
+def _kept(m: Model, kept: Kept, asked: Infill, written: str) -> Kept:
+    """What a prompt kept of the request `asked`, out of all it was sent; the lines `written` (written_since), in the
+    typed text, counted as the prefix's."""
+    lines = len(_tokens(m, written)) if written else 0
+    return replace(kept, prefix_tokens=(kept.prefix_tokens[0] + lines, len(_tokens(m, asked.prefix))),
+                   typed_tokens=(kept.typed_tokens[0] - lines, len(_tokens(m, asked.typed))),
+                   suffix_tokens=(kept.suffix_tokens[0], len(_tokens(m, asked.suffix))))
+
+
+def _walked(fim: FimPrompt, infill: Infill, target: Slot, room: int, budget: int, near: int,
+            kept: Callable[[list[int]], reuse.Reuse], fitted: Fitted, new: int) -> tuple[Fitted, int, str] | None:
+    """The prompt for `infill` that continues what `target` holds (written_since), its new tokens and the lines
+    written since, where it holds no less than `fitted` (`new` tokens to evaluate) for no more than `budget` or `new`
+    (what the budget leaves may buy suffix lines, which stay while lines are written) and moves nothing; else None,
+    and `fitted` it is (a wider build of the aside is worth its tokens once; the lines written start again there)."""
+    if (w := written_since(infill, target.cache.tokens, fim.vocab, fim.piece)) is None:
+        return None
+    cost = lambda t: room + 1 if (k := kept(t)).moved else k.new  # noqa: E731
+    starts = _starts(w, cached_lines(target.cache.tokens, fim.vocab, fim.piece))
+    walked, written = fim.fit(w, room, budget, cost, starts, near), w.typed[:len(w.typed) - len(infill.typed)]
+    n = cost(walked.tokens)
+    wide = len(walked.tokens) + written.count("\n") >= len(fitted.tokens)  # a line may tokenize apart at its end
+    return (walked, n, written) if wide and n <= max(budget, new) else None
+
+
+def written_since(infill: Infill, cached: Sequence[int], vocab: Vocab, piece: Callable[[int], bytes]) -> Infill | None:
+    """`infill` laid out to continue the middle-layout FIM prompt `cached`: where its suffix's text still starts
+    the request's suffix, and its prefix's last lines come 1 to WRITTEN_LINES whole lines before the request's cursor
+    line, those lines start the typed text and the prefix ends there. The same text in another layout, evaluated
+    afresh where it is new; None where `cached` is not such a prompt."""
+    tokens = list(cached)
+    if vocab.fim_pre not in tokens:
+        return None
+    pre = len(tokens) - 1 - tokens[::-1].index(vocab.fim_pre)
+    suf = tokens.index(vocab.fim_suf, pre) if vocab.fim_suf in tokens[pre:] else len(tokens)
+    if vocab.fim_mid not in tokens[suf:]:
+        return None
+    try:
+        prefix, suffix = (b"".join(piece(t) for t in part).decode()
+                          for part in (tokens[pre + 1:suf], tokens[suf + 1:tokens.index(vocab.fim_mid, suf)]))
+    except UnicodeDecodeError:
+        return None
+    anchor = "".join(prefix.splitlines(keepends=True)[-WRITTEN_ANCHOR_LINES:])
+    if not anchor.endswith("\n") or not suffix or not infill.suffix.startswith(suffix):
+        return None
+    lines, end = infill.prefix.splitlines(keepends=True), len(infill.prefix)
+    for line in lines[:-WRITTEN_LINES - 1:-1]:
+        end -= len(line)
+        if infill.prefix.endswith(anchor, 0, end):
+            return replace(infill, prefix=infill.prefix[:end], typed=infill.prefix[end:] + infill.typed)
+    return None
 
 
 def _warm_up(fim: FimPrompt, infill: Infill, slots: Sequence[Slot], slot: int | None, room: int,

@@ -590,6 +590,10 @@ def continuation(infill: Infill, answer: str, prompt: Sequence[int], generated: 
         return None
     held = b"".join(piece(t) for t in tokens[pre + 1:suf])
     typed = infill.typed.encode() if layout == "prefix" else b""
+    if layout == "middle":  # lines written since the prompt's prefix go before the typed text (infill.written_since)
+        middle, typed_now = b"".join(piece(t) for t in tokens[_find(tokens, vocab.fim_mid, suf) + 1:]), \
+            infill.typed.encode()
+        held += middle[:len(middle) - len(typed_now)] if middle.endswith(typed_now) else b""
     shown, got, k = answer.rstrip("\n").encode(), b"", 0
     while len(got) < len(shown) and k < len(generated):
         got, k = got + piece(generated[k]), k + 1

@@ -602,7 +602,7 @@ def test_a_line_start_past_its_budget_keeps_the_slots_lines_in_place_where_a_mov
 
 def test_a_line_written_above_a_suffix_that_stayed_costs_only_its_own_tokens(qwen_draft_path):
     """New code written above text that stays: at the next line's start the line written goes after <fim_middle>
-    (engine.infill.written_since) and is all that is evaluated, where in the prefix it would move the suffix after
+    (prompts.fim.written_since) and is all that is evaluated, where in the prefix it would move the suffix after
     it, to be evaluated again; the prompt holds as much as that one would, and counts the line as the prefix's."""
     prices = ((1, 64), (0.05, 0.4))  # as above: 0.5 s buys 74 new tokens where nothing moves
     below = "\n" + "".join(LINES[140:150])  # the file's text after the lines being written

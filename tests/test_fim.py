@@ -9,7 +9,7 @@ import pytest
 from edgespec.decoding import reuse
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
 from edgespec.gguf import Vocab
-from edgespec.engine.infill import WRITTEN_LINES, written_since
+from edgespec.prompts.fim import WRITTEN_LINES, written_since
 from edgespec.prompts.fim import (CUT_STEP, HEAL_MAX_CHARS, NEAR_LINES, REPEAT_LINES, SUFFIX_LINES, SUFFIX_SHARE,
                                   TAIL_STEP, FimPrompt, Infill, Take, accepted, continuation, cursor_anchor, healed,
                                   next_lines)
@@ -438,7 +438,7 @@ def test_the_lines_an_answer_ends_before_are_the_first_nonblank_ones_below_the_c
 
 def test_lines_written_above_a_suffix_that_stayed_go_after_fim_middle():
     """New code written line by line above text that stays (the suffix): a request continues the slot's prompt, the
-    lines written since its prefix starting the middle before the typed text (engine.infill.written_since); where
+    lines written since its prefix starting the middle before the typed text (prompts.fim.written_since); where
     the suffix changed (a line below became the cursor line), or the prefix is not found just above the lines, not."""
     fim, piece = FimPrompt(PLAIN, chars, "middle"), lambda t: chr(t).encode()
     at = Infill("a\nb\nc\nd\ne\ndef f(x):\n", "\nz = f(1)\nprint(z)\n", "    y = 1")

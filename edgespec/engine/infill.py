@@ -34,8 +34,8 @@ from edgespec.decoding.costs import PromptRate
 from edgespec.decoding.loop import Target, planned
 from edgespec.engine.recall import near_cursor
 from edgespec.engine.slots import Slot, SlotPool
-from edgespec.gguf import Vocab
-from edgespec.prompts.fim import Fitted, FimPrompt, Infill, Kept, cached_lines, cursor_anchor, lines_start
+from edgespec.prompts.fim import (Fitted, FimPrompt, Infill, Kept, cached_lines, cursor_anchor, lines_start,
+                                  written_since)
 
 # New tokens a request's budget must buy after moving what the slot holds (a re-rotation of every cell of the
 # context) for the move to be worth it; where it buys fewer, the request takes what the slot serves in place and the
@@ -61,11 +61,7 @@ WIDEN_LINES_STEP = 4  # of fim.FIT_STEPS: a background step adds 1/64 of the lin
 # Texts kept tokenized: a fit tokenizes the prefix, the suffix and the typed text once, and mostly the same ones
 # again on an editor's next request (the same line typed further, its speculative request).
 TOKENIZED_TEXTS = 512
-# Lines written since the slot's prompt (new code above text that stayed below) go after <fim_middle>, before the typed
-# text, while its prefix and suffix stay: a line start then evaluates the line written, not the suffix again after a
-# longer prefix. Up to this many lines; past them the prompt is laid out afresh.
-WRITTEN_LINES = 32
-WRITTEN_ANCHOR_LINES = 4  # the cached prefix's last lines that locate its end in a request's prefix
+
 
 
 @dataclass(frozen=True)
@@ -178,34 +174,6 @@ def _walked(fim: FimPrompt, infill: Infill, target: Slot, room: int, budget: int
     n = cost(walked.tokens)
     wide = len(walked.tokens) + written.count("\n") >= len(fitted.tokens)  # a line may tokenize apart at its end
     return (walked, n, written) if wide and n <= max(budget, new) else None
-
-
-def written_since(infill: Infill, cached: Sequence[int], vocab: Vocab, piece: Callable[[int], bytes]) -> Infill | None:
-    """`infill` laid out to continue the middle-layout FIM prompt `cached`: where its suffix's text still starts
-    the request's suffix, and its prefix's last lines come 1 to WRITTEN_LINES whole lines before the request's cursor
-    line, those lines start the typed text and the prefix ends there. The same text in another layout, evaluated
-    afresh where it is new; None where `cached` is not such a prompt."""
-    tokens = list(cached)
-    if vocab.fim_pre not in tokens:
-        return None
-    pre = len(tokens) - 1 - tokens[::-1].index(vocab.fim_pre)
-    suf = tokens.index(vocab.fim_suf, pre) if vocab.fim_suf in tokens[pre:] else len(tokens)
-    if vocab.fim_mid not in tokens[suf:]:
-        return None
-    try:
-        prefix, suffix = (b"".join(piece(t) for t in part).decode()
-                          for part in (tokens[pre + 1:suf], tokens[suf + 1:tokens.index(vocab.fim_mid, suf)]))
-    except UnicodeDecodeError:
-        return None
-    anchor = "".join(prefix.splitlines(keepends=True)[-WRITTEN_ANCHOR_LINES:])
-    if not anchor.endswith("\n") or not suffix or not infill.suffix.startswith(suffix):
-        return None
-    lines, end = infill.prefix.splitlines(keepends=True), len(infill.prefix)
-    for line in lines[:-WRITTEN_LINES - 1:-1]:
-        end -= len(line)
-        if infill.prefix.endswith(anchor, 0, end):
-            return replace(infill, prefix=infill.prefix[:end], typed=infill.prefix[end:] + infill.typed)
-    return None
 
 
 def _warm_up(fim: FimPrompt, infill: Infill, slots: Sequence[Slot], slot: int | None, room: int,

@@ -53,6 +53,11 @@ CUT_STEP = 64
 # editor's speculative request ran on to its t_max_predict_ms, writing lines the file holds (docs/bench/editor.md).
 REPEAT_LINES = 3
 REPEAT_MIN_CHARS = 4
+# Lines written since a slot's prompt (new code above text that stayed below) go after <fim_middle>, before the typed
+# text, while its prefix and suffix stay: a line start then evaluates the line written, not the suffix again after a
+# longer prefix. Up to this many lines; past them the prompt is laid out afresh.
+WRITTEN_LINES = 32
+WRITTEN_ANCHOR_LINES = 4  # the cached prefix's last lines that locate its end in a request's prefix
 HELD_LINES = 8  # lines at the start of a cached prompt's lines that locate it in a request's (lines_start)
 ANCHOR_SCAN = 512  # tokens before the cursor searched for the line before it (cursor_anchor); a longer line ends it
 # The longest word healed, the character before it counted where it goes along (the answer spells it again, a
@@ -439,6 +444,33 @@ def cursor_anchor(prompt: Sequence[int], vocab: Vocab, piece: Callable[[int], by
     return pre + 1 if at is None else at
 
 
+def written_since(infill: Infill, cached: Sequence[int], vocab: Vocab, piece: Callable[[int], bytes]) -> Infill | None:
+    """`infill` laid out to continue the middle-layout FIM prompt `cached`: where its suffix's text still starts
+    the request's suffix, and its prefix's last lines come 1 to WRITTEN_LINES whole lines before the request's cursor
+    line, those lines start the typed text and the prefix ends there. The same text in another layout, evaluated
+    afresh where it is new; None where `cached` is not such a prompt."""
+    tokens = list(cached)
+    if (pre := _last(tokens, vocab.fim_pre)) is None:
+        return None
+    suf = _find(tokens, vocab.fim_suf, pre)
+    if (mid := _find(tokens, vocab.fim_mid, suf)) == len(tokens):
+        return None
+    try:
+        prefix, suffix = (b"".join(piece(t) for t in part).decode()
+                          for part in (tokens[pre + 1:suf], tokens[suf + 1:mid]))
+    except UnicodeDecodeError:
+        return None
+    anchor = "".join(prefix.splitlines(keepends=True)[-WRITTEN_ANCHOR_LINES:])
+    if not anchor.endswith("\n") or not suffix or not infill.suffix.startswith(suffix):
+        return None
+    lines, end = infill.prefix.splitlines(keepends=True), len(infill.prefix)
+    for line in lines[:-WRITTEN_LINES - 1:-1]:
+        end -= len(line)
+        if infill.prefix.endswith(anchor, 0, end):
+            return replace(infill, prefix=infill.prefix[:end], typed=infill.prefix[end:] + infill.typed)
+    return None
+
+
 def line_before(prompt: Sequence[int], end: int, floor: int, piece: Callable[[int], bytes]) -> int | None:
     """The start of the line before the one `end` is in: the token after the second newline back from `end`, searched
     down to `floor` (not included); None where there is none after it."""
@@ -590,7 +622,7 @@ def continuation(infill: Infill, answer: str, prompt: Sequence[int], generated: 
         return None
     held = b"".join(piece(t) for t in tokens[pre + 1:suf])
     typed = infill.typed.encode() if layout == "prefix" else b""
-    if layout == "middle":  # lines written since the prompt's prefix go before the typed text (infill.written_since)
+    if layout == "middle":  # lines written since the prompt's prefix go before the typed text (written_since)
         middle, typed_now = b"".join(piece(t) for t in tokens[_find(tokens, vocab.fim_mid, suf) + 1:]), \
             infill.typed.encode()
         held += middle[:len(middle) - len(typed_now)] if middle.endswith(typed_now) else b""

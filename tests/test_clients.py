@@ -203,8 +203,9 @@ def test_an_infill_is_answered_while_a_chat_streams_and_the_chat_keeps_its_cache
     first = threading.Event()
     usage: dict = {}
 
-    def chat() -> None:
-        body = {"messages": messages, "max_tokens": 160, "temperature": 0, "stream": True}
+    def chat() -> None:  # all 160 tokens: a greedy answer may end after a few, before the infill is sent
+        no_end = {str(t): -100 for t in (151643, 151645)}  # Qwen2.5's <|endoftext|> and <|im_end|>
+        body = {"messages": messages, "max_tokens": 160, "temperature": 0, "stream": True, "logit_bias": no_end}
         with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=300) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):

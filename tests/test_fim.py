@@ -9,10 +9,9 @@ import pytest
 from edgespec.decoding import reuse
 from edgespec.errors import InvalidRequestError, UnsupportedModelError
 from edgespec.gguf import Vocab
-from edgespec.prompts.fim import WRITTEN_LINES, written_since
 from edgespec.prompts.fim import (CUT_STEP, HEAL_MAX_CHARS, NEAR_LINES, REPEAT_LINES, SUFFIX_LINES, SUFFIX_SHARE,
-                                  TAIL_STEP, FimPrompt, Infill, Take, accepted, continuation, cursor_anchor, healed,
-                                  next_lines)
+                                  TAIL_STEP, WRITTEN_LINES, FimPrompt, Infill, Take, accepted, continuation,
+                                  cursor_anchor, healed, next_lines, written_since)
 
 PRE, SUF, MID, REP, SEP = 1001, 1002, 1003, 1004, 1005
 QWEN_LIKE = Vocab(n_tokens=2000, type=2, bos=None, eos=1, add_bos=False, fim_pre=PRE, fim_suf=SUF,

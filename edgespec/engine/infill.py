@@ -63,7 +63,6 @@ WIDEN_LINES_STEP = 4  # of fim.FIT_STEPS: a background step adds 1/64 of the lin
 TOKENIZED_TEXTS = 512
 
 
-
 @dataclass(frozen=True)
 class AsideBuild:
     """What to evaluate in the aside sequence while nobody waits, and what becomes of it (engine.slots)."""

@@ -1,0 +1,222 @@
+"""A FIM suffix kept cached while the cursor walks down over it, its passed lines cut out of the KV cache and the
+positions after them left as they were (a hole), against the same prompts evaluated exactly and against the prompts a
+line start's budget buys.
+
+When the cursor moves onto the next line of a file being typed over, the suffix loses its first line. Kept from the
+previous prompt by moving (llama.cpp's cache reuse), the rest of the suffix must be re-rotated, and llama.cpp
+re-rotates every cell of the cache for that (scripts/bench_kv_shift.py): about the whole of a 0.5 s budget here. Cut
+out without moving (`llama_memory_seq_rm` of the line's positions alone), nothing is re-rotated: the suffix's later
+entries keep their positions, and a line start evaluates only the line written and the typed text, which go after
+<fim_middle> (the written-lines layout, prompts.fim.written_since). The entries after the hole were computed with the
+cut lines before them, which are the lines now written in the middle: the text of the file, in its order.
+
+Variants, each in its own sequence, greedy, same cursors as scripts/bench_editor.py's type-over sessions:
+  near3   what a line start's budget buys in the server: the prefix up to the cursor line, 3 suffix lines, exact
+  psm24   the prefix up to the cursor line and 24 suffix lines, exact (llama.cpp's layout, llama-server's width)
+  mid24   the prefix up to a block's first cursor line, the lines written since after <fim_middle>, then the typed
+          text; the suffix from the cursor line on, 24 lines at the block's first cursor: evaluated exactly
+  holes24 mid24's prompts, its suffix evaluated once at the block's first cursor and its passed lines cut out
+
+    python scripts/bench_fim_holes.py --files FILE:LINE:LINES ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+
+import llama_cpp  # noqa: E402
+
+from bench_editor import agreement, cursors, parse_files  # noqa: E402
+from edgespec.models import fetch  # noqa: E402
+from edgespec.prompts.fim import Infill, healed  # noqa: E402
+
+VARIANTS = ("near3", "psm24", "mid24", "holes24")
+HEALED = ("mid24", "holes24")  # the middle layout's typed text is healed (prompts.fim.healed)
+Cells = list[tuple[int, int]]  # (position, token) of a sequence, in order
+
+
+class Runner:
+    """The model in one llama.cpp context, a sequence per variant, each mirrored as its cells."""
+
+    def __init__(self, path: Path, n_seq: int, n_ctx: int, threads: int) -> None:
+        llama_cpp.llama_backend_init()
+        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_cpp.llama_model_default_params())
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx, cp.n_seq_max, cp.kv_unified = n_ctx * n_seq, n_seq, True
+        cp.n_batch = cp.n_ubatch = 512
+        cp.n_threads = cp.n_threads_batch = threads
+        self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.vocab = llama_cpp.llama_model_get_vocab(self.model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.batch = llama_cpp.llama_batch_init(512, 0, 1)
+        self.cells: list[Cells] = [[] for _ in range(n_seq)]
+        self.pre, self.suf, self.mid = (f(self.vocab) for f in (llama_cpp.llama_vocab_fim_pre,
+                                                                llama_cpp.llama_vocab_fim_suf,
+                                                                llama_cpp.llama_vocab_fim_mid))
+        self.evaluated = 0
+        self.pieces: list[bytes] | None = None
+
+    def tokens(self, text: str) -> list[int]:
+        raw = text.encode()
+        buf = (llama_cpp.llama_token * (len(raw) + 8))()
+        n = llama_cpp.llama_tokenize(self.vocab, raw, len(raw), buf, len(buf), False, False)
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, False)
+        return buf.raw[:n]
+
+    def hold(self, seq: int, want: Cells) -> np.ndarray:
+        """Make `seq` hold `want`: cached cells it lacks are cut out where the cells after them are still wanted at
+        their positions; from the first cell that differs on, evaluated. The last cell's logits."""
+        have, i, j = self.cells[seq], 0, 0
+        wanted = set(want)
+        while i < len(have) and j < len(want):
+            if have[i] == want[j]:
+                i, j = i + 1, j + 1
+            elif have[i][0] < want[j][0] and have[i] not in wanted:  # a cell the prompt no longer holds
+                llama_cpp.llama_memory_seq_rm(self.mem, seq, have[i][0], have[i][0] + 1)
+                i += 1
+            else:
+                break
+        if j == len(want):  # all cached: evaluate the last again for its logits
+            j -= 1
+        cut = min(want[j][0], have[i][0]) if i < len(have) else want[j][0]
+        llama_cpp.llama_memory_seq_rm(self.mem, seq, cut, -1)
+        self.cells[seq] = want[:j]
+        return self.decode(seq, want[j:])
+
+    def decode(self, seq: int, cells: Cells) -> np.ndarray:
+        for at in range(0, len(cells), 512):
+            part = cells[at:at + 512]
+            b = self.batch
+            for k, (pos, tok) in enumerate(part):
+                b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = tok, pos, 1, False
+                b.seq_id[k][0] = seq
+            b.logits[len(part) - 1] = True
+            b.n_tokens = len(part)
+            if llama_cpp.llama_decode(self.ctx, b) != 0:
+                raise RuntimeError(f"llama_decode failed at position {part[0][0]}")
+            self.cells[seq].extend(part)
+            self.evaluated += len(part)
+        ptr = llama_cpp.llama_get_logits_ith(self.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def complete(self, seq: int, prompt: Cells, most: int, heal: str = "") -> tuple[str, int]:
+        """Greedy tokens after `prompt` (up to `most`, or an end of generation), the first ones spelling `heal`
+        (token healing, as /infill's middle layout asks), then the cache back to the prompt; the text after `heal`
+        and the prompt's tokens evaluated."""
+        before = self.evaluated
+        logits = self.hold(seq, prompt)
+        new = self.evaluated - before
+        out, pos, left = [], prompt[-1][0] + 1, heal.encode()
+        for _ in range(most):
+            if left:
+                if self.pieces is None:
+                    self.pieces = [self.piece(t) for t in range(self.n_vocab)]
+                fits = np.array([bool(p) and (p.startswith(left) or left.startswith(p)) for p in self.pieces])
+                logits = np.where(fits, logits, -np.inf)
+            tok = int(np.argmax(logits))
+            if llama_cpp.llama_vocab_is_eog(self.vocab, tok):
+                break
+            left = left[len(self.piece(tok)):] if left.startswith(self.piece(tok)) else b""
+            out.append(tok)
+            logits = self.decode(seq, [(pos, tok)])
+            pos += 1
+        llama_cpp.llama_memory_seq_rm(self.mem, seq, prompt[-1][0] + 1, -1)
+        self.cells[seq] = self.cells[seq][:len(prompt)]
+        self.evaluated -= len(out)
+        return b"".join(self.piece(t) for t in out).decode(errors="replace")[len(heal):], new
+
+
+def laid(parts: list[list[int]]) -> Cells:
+    flat = [t for p in parts for t in p]
+    return list(enumerate(flat))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b")
+    ap.add_argument("--files", nargs="+", required=True, help="PATH:FIRST_LINE:LINES")
+    ap.add_argument("--prefix-lines", type=int, default=24, help="lines before a file's first cursor")
+    ap.add_argument("--suffix-lines", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "fim-holes.json")
+    args = ap.parse_args()
+    r = Runner(fetch(args.model), len(VARIANTS), 4096, args.threads)
+    line_tokens = lambda s: r.tokens(s + "\n")  # noqa: E731 - a line and its end, tokenized alone
+    records = []
+    for path, start, n in parse_files(args.files):
+        lines = path.read_text().splitlines()
+        first, block = max(0, start - args.prefix_lines), None
+        for c in cursors(path, start, n):
+            y, typed = c.line, r.tokens(c.typed) if c.typed else []
+            less, heal = healed(Infill("", "", c.typed), "middle")
+            healed_typed = r.tokens(less.typed) if less.typed else []
+            if block is None:  # the block's first cursor: the suffix the holes variant keeps
+                block = y
+                base = [line_tokens(s) for s in lines[y + 1:y + 1 + args.suffix_lines]]
+            head = [r.pre] + [t for s in lines[first:block] for t in line_tokens(s)]
+            nl = r.tokens("\n")
+            prompts: dict[str, Cells] = {}
+            for name, k in (("near3", 3), ("psm24", args.suffix_lines)):
+                prefix = [t for s in lines[first:y] for t in line_tokens(s)]
+                suffix = [t for s in lines[y + 1:y + 1 + k] for t in line_tokens(s)]
+                prompts[name] = laid([[r.pre], prefix, typed, [r.suf], nl, suffix, [r.mid]])
+            written = [t for s in lines[block:y] for t in line_tokens(s)]
+            kept = [t for s in base[y - block:] for t in s]
+            prompts["mid24"] = laid([head, [r.suf], nl, kept, [r.mid], written, healed_typed])
+            # the same text, the passed suffix lines' positions left empty
+            full = [head, [r.suf], nl, [t for s in base for t in s]]
+            cut = sum(len(s) for s in base[:y - block])
+            at = sum(len(p) for p in full[:3])
+            cells = laid(full)
+            cells = cells[:at] + cells[at + cut:]
+            after = cells[-1][0] + 1
+            tail = [r.mid] + written + healed_typed
+            prompts["holes24"] = cells + [(after + k, t) for k, t in enumerate(tail)]
+            row = {"where": f"{path.name}:{y + 1}:{c.col}", "real": c.real}
+            for seq, name in enumerate(VARIANTS):
+                t0 = time.perf_counter()
+                text, new = r.complete(seq, prompts[name], args.max_tokens, heal if name in HEALED else "")
+                row[name] = {"text": text, "agree": agreement(text, c.real), "new": new,
+                             "prompt": len(prompts[name]), "seconds": time.perf_counter() - t0}
+            records.append(row)
+            print(f"{row['where']:<28} " + "  ".join(f"{v} {row[v]['agree']:>3} ({row[v]['new']:>4})"
+                                                    for v in VARIANTS), file=sys.stderr)
+    print("\n".join(table := summary(records)))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "records": records,
+                                    "table": table}, indent=1))
+
+
+def summary(records: list[dict]) -> list[str]:
+    """The docs' table: right completions, first lines right, long runs right (a cache that holds the answer shows
+    there), mean characters right, tokens evaluated."""
+    table = ["| variant | right ≥ 4 chars | first line right | right for 100 characters or more | "
+             "mean characters right | tokens evaluated a cursor (mean) |", "|---|---:|---:|---:|---:|---:|"]
+    for v in VARIANTS:
+        rs = [(x[v], x["real"].split("\n")[0]) for x in records]
+        first = sum(bool(x["text"].split("\n")[0].strip()) and x["text"].split("\n")[0] == real for x, real in rs)
+        table.append(f"| {v} | {sum(x['agree'] >= 4 for x, _ in rs)}/{len(rs)} | {first} | "
+                     f"{sum(x['agree'] >= 100 for x, _ in rs)} | {sum(x['agree'] for x, _ in rs) / len(rs):.1f} | "
+                     f"{sum(x['new'] for x, _ in rs) / len(rs):.0f} |")
+    return table
+
+
+if __name__ == "__main__":
+    main()

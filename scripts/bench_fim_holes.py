@@ -1,6 +1,6 @@
 """A FIM suffix kept cached while the cursor walks down over it, its passed lines cut out of the KV cache and the
 positions after them left as they were (a hole), against the same prompts evaluated exactly and against the prompts a
-line start's budget buys.
+line start's budget buys. It drives llama.cpp directly: the engine keeps a sequence's positions contiguous.
 
 When the cursor moves onto the next line of a file being typed over, the suffix loses its first line. Kept from the
 previous prompt by moving (llama.cpp's cache reuse), the rest of the suffix must be re-rotated, and llama.cpp
@@ -8,16 +8,18 @@ re-rotates every cell of the cache for that (scripts/bench_kv_shift.py): about t
 out without moving (`llama_memory_seq_rm` of the line's positions alone), nothing is re-rotated: the suffix's later
 entries keep their positions, and a line start evaluates only the line written and the typed text, which go after
 <fim_middle> (the written-lines layout, prompts.fim.written_since). The entries after the hole were computed with the
-cut lines before them, which are the lines now written in the middle: the text of the file, in its order.
+cut lines before them: in a type-over session the very lines the user now writes again, so the cache still holds
+the answer (docs/bench/editor.md: not built for that). What the replay measures cleanly is the suffix's width.
 
-Variants, each in its own sequence, greedy, same cursors as scripts/bench_editor.py's type-over sessions:
-  near3   what a line start's budget buys in the server: the prefix up to the cursor line, 3 suffix lines, exact
-  psm24   the prefix up to the cursor line and 24 suffix lines, exact (llama.cpp's layout, llama-server's width)
-  mid24   the prefix up to a block's first cursor line, the lines written since after <fim_middle>, then the typed
-          text; the suffix from the cursor line on, 24 lines at the block's first cursor: evaluated exactly
-  holes24 mid24's prompts, its suffix evaluated once at the block's first cursor and its passed lines cut out
+Variants, each in its own sequence, greedy, same cursors as scripts/bench_editor.py's type-over sessions; the prefix
+starts --prefix-lines before a file's first cursor, and "24" stands for --suffix-lines:
+  near3   the prefix up to the cursor line with the typed text (llama.cpp's layout), 3 suffix lines, exact
+  psm24   the same with 24 suffix lines (llama-server's width)
+  mid24   the prefix up to a file's first cursor line, then the suffix (24 lines from there, fewer as the cursor
+          passes them), then after <fim_middle> the lines written since and the typed text, healed: exact
+  holes24 mid24's prompts, its suffix evaluated once at a file's first cursor and its passed lines cut out
 
-    python scripts/bench_fim_holes.py --files FILE:LINE:LINES ...
+    python scripts/bench_fim_holes.py --files FILE:LINE:LINES ... [--prefix-lines N] [--suffix-lines N]
 """
 
 from __future__ import annotations
@@ -143,6 +145,7 @@ class Runner:
 
 
 def laid(parts: list[list[int]]) -> Cells:
+    """`parts` one after the other at contiguous positions from 0."""
     flat = [t for p in parts for t in p]
     return list(enumerate(flat))
 

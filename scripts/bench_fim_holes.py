@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 import llama_cpp  # noqa: E402
 
 from bench_editor import agreement, cursors, parse_files  # noqa: E402
+from edgespec.decoding.rules import Pieces, Start  # noqa: E402
 from edgespec.models import fetch  # noqa: E402
 from edgespec.prompts.fim import Infill, healed  # noqa: E402
 
@@ -68,7 +69,7 @@ class Runner:
                                                                 llama_cpp.llama_vocab_fim_suf,
                                                                 llama_cpp.llama_vocab_fim_mid))
         self.evaluated = 0
-        self.pieces: list[bytes] | None = None
+        self.pieces: Pieces | None = None  # for token healing, made at its first use
 
     def tokens(self, text: str) -> list[int]:
         raw = text.encode()
@@ -124,17 +125,19 @@ class Runner:
         before = self.evaluated
         logits = self.hold(seq, prompt)
         new = self.evaluated - before
-        out, pos, left = [], prompt[-1][0] + 1, heal.encode()
+        out, pos, start = [], prompt[-1][0] + 1, None
+        if heal:
+            if self.pieces is None:
+                self.pieces = Pieces(self.n_vocab, self.piece, lambda t: llama_cpp.llama_vocab_is_eog(self.vocab, t))
+            start = Start(heal.encode(), self.pieces)  # the server's own healing rule (engine.core.grammar_of)
         for _ in range(most):
-            if left:
-                if self.pieces is None:
-                    self.pieces = [self.piece(t) for t in range(self.n_vocab)]
-                fits = np.array([bool(p) and (p.startswith(left) or left.startswith(p)) for p in self.pieces])
-                logits = np.where(fits, logits, -np.inf)
+            if start is not None and not start.done:
+                logits = np.where(start.allowed(np.arange(self.n_vocab)), logits, -np.inf)
             tok = int(np.argmax(logits))
             if llama_cpp.llama_vocab_is_eog(self.vocab, tok):
                 break
-            left = left[len(self.piece(tok)):] if left.startswith(self.piece(tok)) else b""
+            if start is not None:
+                start.accept(tok)
             out.append(tok)
             logits = self.decode(seq, [(pos, tok)])
             pos += 1
@@ -176,8 +179,8 @@ def main() -> None:
             head = [r.pre] + [t for s in lines[first:block] for t in line_tokens(s)]
             nl = r.tokens("\n")
             prompts: dict[str, Cells] = {}
+            prefix = [t for s in lines[first:y] for t in line_tokens(s)]
             for name, k in (("near3", 3), ("psm24", args.suffix_lines)):
-                prefix = [t for s in lines[first:y] for t in line_tokens(s)]
                 suffix = [t for s in lines[y + 1:y + 1 + k] for t in line_tokens(s)]
                 prompts[name] = laid([[r.pre], prefix, typed, [r.suf], nl, suffix, [r.mid]])
             written = [t for s in lines[block:y] for t in line_tokens(s)]

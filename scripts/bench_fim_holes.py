@@ -142,7 +142,8 @@ class Runner:
         cached = [c for c in rest if c in self.parted[seq]]
         spans = [(lo, hi, g) for lo, hi, g in groups] + ([(mark[0][0], mark[-1][0] + 1, list(mark))] if mark else [])
         whole = [{c for c in cached if lo <= c[0] < hi} == set(g) for lo, hi, g in spans]
-        n_written = next((k for k, c in enumerate(written) if c not in set(cached)), len(written))
+        kept = set(cached)
+        n_written = next((k for k, c in enumerate(written) if c not in kept), len(written))
         held = {c for (_, _, g), w in zip(spans, whole) if w for c in g} | set(written[:n_written])
         fresh = [g for (_, _, g), w in zip(spans[:len(groups)], whole) if not w]
         middle = max((hi for _, hi, _ in spans), default=end_head)
@@ -250,10 +251,10 @@ def main() -> None:
     ap.add_argument("--files", nargs="+", required=True, help="PATH:FIRST_LINE:LINES")
     ap.add_argument("--prefix-lines", type=int, default=24, help="lines before a file's first cursor")
     ap.add_argument("--suffix-lines", type=int, default=24)
-    ap.add_argument("--block-lines", type=int, default=1, help="suffix lines evaluated together (iso24, blocks24)")
+    ap.add_argument("--block-lines", type=int, default=1, help="suffix lines evaluated together (the grouped variants)")
     ap.add_argument("--groups-see", choices=("prefix", "mark"), default="prefix",
                     help="what an isolated group of suffix lines is evaluated after: the prefix and <fim_suffix>, or "
-                         "<fim_suffix> and its newline alone (iso24, blocks24)")
+                         "<fim_suffix> and its newline alone (the grouped variants)")
     ap.add_argument("--gap", type=int, default=256, help="positions kept for the lines written (gap24)")
     ap.add_argument("--fresh", action="store_true",
                     help="evaluate iso24, blocks24, gap24 and blind24 afresh at every cursor, in the same layout, "
@@ -296,9 +297,9 @@ def main() -> None:
             after = cells[-1][0] + 1
             tail = [r.mid] + written + healed_typed
             prompts["holes24"] = cells + [(after + k, t) for k, t in enumerate(tail)]
-            # iso24, blocks24 and gap24: the head, groups of suffix lines, the middle (laid as mid24 or holes24, or
-            # gap24's: the lines written in positions kept for them before <fim_suffix>, the typed text after
-            # <fim_middle>); what each part is evaluated seeing
+            # the grouped variants: the head, groups of suffix lines, the middle (laid as mid24 or holes24; gap24's
+            # lines written in positions kept for them before <fim_suffix>; blind24's after the groups, seeing none
+            # of them), and what each part is evaluated seeing
             n_head = len(head)
             isolated: dict[str, tuple] = {}
             for name in ISOLATED:

@@ -182,31 +182,22 @@ class Runner:
             self.parted[seq] |= set(part)
         self.cells[seq] = sorted(self.cells[seq] + [c for part in parts for c in part])
 
-    def decode_seqs(self, cells: Cells, seqs: list[int]) -> None:
-        """`cells`, each in its own sequence of `seqs`, in batches; no logits kept."""
+    def decode_seqs(self, cells: Cells, seqs: list[int], logits: bool = False) -> None:
+        """`cells`, each in its sequence of `seqs`, in batches; with `logits`, each batch's last cell's kept."""
         for at in range(0, len(cells), 512):
-            b = self.batch
-            for k, ((pos, tok), z) in enumerate(zip(cells[at:at + 512], seqs[at:at + 512])):
+            part, b = cells[at:at + 512], self.batch
+            for k, ((pos, tok), z) in enumerate(zip(part, seqs[at:at + 512])):
                 b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = tok, pos, 1, False
                 b.seq_id[k][0] = z
-            b.n_tokens = min(512, len(cells) - at)
-            if llama_cpp.llama_decode(self.ctx, b) != 0:
-                raise RuntimeError(f"llama_decode failed at position {cells[at][0]}")
-            self.evaluated += b.n_tokens
-
-    def decode(self, seq: int, cells: Cells) -> np.ndarray:
-        for at in range(0, len(cells), 512):
-            part = cells[at:at + 512]
-            b = self.batch
-            for k, (pos, tok) in enumerate(part):
-                b.token[k], b.pos[k], b.n_seq_id[k], b.logits[k] = tok, pos, 1, False
-                b.seq_id[k][0] = seq
-            b.logits[len(part) - 1] = True
+            b.logits[len(part) - 1] = logits
             b.n_tokens = len(part)
             if llama_cpp.llama_decode(self.ctx, b) != 0:
                 raise RuntimeError(f"llama_decode failed at position {part[0][0]}")
-            self.cells[seq].extend(part)
             self.evaluated += len(part)
+
+    def decode(self, seq: int, cells: Cells) -> np.ndarray:
+        self.decode_seqs(cells, [seq] * len(cells), logits=True)
+        self.cells[seq].extend(cells)
         ptr = llama_cpp.llama_get_logits_ith(self.ctx, -1)
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
@@ -300,37 +291,12 @@ def main() -> None:
             # the grouped variants: the head, groups of suffix lines, the middle (laid as mid24 or holes24; gap24's
             # lines written in positions kept for them before <fim_suffix>; blind24's after the groups, seeing none
             # of them), and what each part is evaluated seeing
-            n_head = len(head)
-            isolated: dict[str, tuple] = {}
-            for name in ISOLATED:
-                mark_at = n_head + args.gap if name == "gap24" else n_head
-                if name == "gap24" and len(written) > args.gap:
-                    raise SystemExit(f"--gap {args.gap}: {path.name} has {len(written)} tokens written by line "
-                                     f"{y + 1}; pass a wider --gap")
-                pos, gs = mark_at + 1 + len(nl), []
-                for g0 in range(0, len(base), args.block_lines):
-                    lo, g = pos, []
-                    for i in range(g0, min(g0 + args.block_lines, len(base))):
-                        if i >= y - block:  # not passed yet
-                            g.extend((pos + k, t) for k, t in enumerate(base[i]))
-                        if name != "iso24" or i >= y - block:  # iso24 alone moves the lines after a passed one
-                            pos += len(base[i])
-                    gs += [(lo, pos, g)] if g else []
-                mark = [(mark_at + k, t) for k, t in enumerate([r.suf] + nl)]
-                sees = [(mark_at, mark_at + 1 + len(nl))] + ([(0, n_head)] if args.groups_see == "prefix" else [])
-                cells = [c for _, _, g in gs for c in g]
-                if name == "gap24":
-                    w = [(n_head + k, t) for k, t in enumerate(written)]
-                    isolated[name] = (laid([head]), gs, sees, mark, w)
-                    cells = w + mark + cells + [(pos + k, t) for k, t in enumerate([r.mid] + healed_typed)]
-                elif name == "blind24":  # <fim_middle> and the lines written, after the groups, seeing none of them
-                    w = [(pos + k, t) for k, t in enumerate([r.mid] + written)]
-                    isolated[name] = (laid([head]) + mark, gs, sees, (), w)
-                    cells = mark + cells + w + [(pos + len(w) + k, t) for k, t in enumerate(healed_typed)]
-                else:  # the mark evaluated with the head, the written lines after <fim_middle>
-                    isolated[name] = (laid([head]) + mark, gs, sees, (), ())
-                    cells = mark + cells + [(pos + k, t) for k, t in enumerate(tail)]
-                prompts[name] = laid([head]) + cells
+            if len(written) > args.gap:
+                raise SystemExit(f"--gap {args.gap}: {path.name} has {len(written)} tokens written by line {y + 1}; "
+                                 "pass a wider --gap")
+            isolated = {name: grouped(r, name, args, head, nl, base, y - block, written, healed_typed)
+                        for name in ISOLATED if name in args.variants}
+            prompts.update({name: prompt for name, (_, prompt) in isolated.items()})
             row = {"where": f"{path.name}:{y + 1}:{c.col}", "real": c.real}
             for seq, name in enumerate(VARIANTS):
                 if name not in args.variants:
@@ -339,7 +305,7 @@ def main() -> None:
                 if args.fresh and name in ISOLATED:
                     llama_cpp.llama_memory_seq_rm(r.mem, seq, -1, -1)
                     r.cells[seq], r.parted[seq] = [], set()
-                iso = r.isolated(seq, *isolated[name]) if name in ISOLATED else 0
+                iso = r.isolated(seq, *isolated[name][0]) if name in ISOLATED else 0
                 text, new = r.complete(seq, prompts[name], args.max_tokens, heal if name in HEALED else "")
                 new += iso
                 row[name] = {"text": text, "agree": agreement(text, c.real), "new": new,
@@ -351,6 +317,40 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "records": records,
                                     "table": table}, indent=1))
+
+
+def grouped(r: Runner, name: str, args: argparse.Namespace, head: list[int], nl: list[int], base: list[list[int]],
+            passed: int, written: list[int], healed_typed: list[int]) -> tuple[tuple, Cells]:
+    """A grouped variant's parts for Runner.isolated and its prompt: the head, groups of suffix lines (`base` from
+    the file's first cursor, its first `passed` lines passed), the middle (laid as mid24 or holes24; gap24's lines
+    written in positions kept for them before <fim_suffix>; blind24's after the groups, seeing none of them), and
+    what each part is evaluated seeing."""
+    n_head = len(head)
+    mark_at = n_head + args.gap if name == "gap24" else n_head
+    pos, gs = mark_at + 1 + len(nl), []
+    for g0 in range(0, len(base), args.block_lines):
+        lo, g = pos, []
+        for i in range(g0, min(g0 + args.block_lines, len(base))):
+            if i >= passed:
+                g.extend((pos + k, t) for k, t in enumerate(base[i]))
+            if name != "iso24" or i >= passed:  # iso24 alone moves the lines after a passed one
+                pos += len(base[i])
+        gs += [(lo, pos, g)] if g else []
+    mark = [(mark_at + k, t) for k, t in enumerate([r.suf] + nl)]
+    sees = [(mark_at, mark_at + 1 + len(nl))] + ([(0, n_head)] if args.groups_see == "prefix" else [])
+    cells = [c for _, _, g in gs for c in g]
+    if name == "gap24":
+        w = [(n_head + k, t) for k, t in enumerate(written)]
+        parts: tuple = (laid([head]), gs, sees, mark, w)
+        cells = w + mark + cells + [(pos + k, t) for k, t in enumerate([r.mid] + healed_typed)]
+    elif name == "blind24":
+        w = [(pos + k, t) for k, t in enumerate([r.mid] + written)]
+        parts = (laid([head]) + mark, gs, sees, (), w)
+        cells = mark + cells + w + [(pos + len(w) + k, t) for k, t in enumerate(healed_typed)]
+    else:  # the mark evaluated with the head, the written lines after <fim_middle>
+        parts = (laid([head]) + mark, gs, sees, (), ())
+        cells = mark + cells + [(pos + k, t) for k, t in enumerate([r.mid] + written + healed_typed)]
+    return parts, laid([head]) + cells
 
 
 def summary(records: list[dict], variants: list[str]) -> list[str]:

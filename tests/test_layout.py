@@ -13,7 +13,7 @@ MAX_CLASS_LINES = 250
 MAX_MODULE_LINES = 650
 MAX_TOP_MODULES = 12
 # A library with a native core or a user interface is imported by exactly one module (or one package, for the CLI).
-OWNERS = {"llama_cpp": "backend.py", "onnxruntime": "onnx/runtime.py", "prompt_toolkit": "cli/repl.py",
+OWNERS = {"llama_cpp": "backend/", "onnxruntime": "onnx/runtime.py", "prompt_toolkit": "cli/repl.py",
           "click": "cli/"}
 
 

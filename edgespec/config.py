@@ -74,6 +74,9 @@ PAUSES_KEPT = 16  # the last pauses between answers and requests that background
 # Cells `edgespec serve` sets apart for the aside sequence (LoadConfig.aside): a cut /infill context is built wider
 # there, afresh, while nobody waits, and the editor's slot takes it whole when it is ready (engine.infill).
 ASIDE_TOKENS = 1024
+# Suffix lines a group holds where `edgespec serve` holds /infill's FIM prompts as parts (LoadConfig.fim_groups,
+# decoding.parts): groups of one line cost completions, of four none, in replay (docs/bench/editor.md).
+FIM_GROUP_LINES = 4
 # Seconds after an answer before background work starts: its compute threads take both cores of a small CPU, and the
 # answer's delivery (the server's event loop, the editor reading it) and the editor's next request would wait on them.
 ANSWER_QUIET = 0.05
@@ -123,6 +126,9 @@ class LoadConfig:
     repack: bool = True
     # Cells of one more KV sequence beside the slots, the aside (engine.slots; 0: none). It holds at most this.
     aside: int = 0
+    # FIM prompts held as parts, in groups of this many suffix lines (decoding.parts; 0: in one piece), where chunk
+    # reuse is asked (n_cache_reuse > 0) and the cache can move entries.
+    fim_groups: int = 0
 
     def __post_init__(self) -> None:
         if self.n_ctx is not None and self.n_ctx < 16:
@@ -138,6 +144,8 @@ class LoadConfig:
             raise InvalidRequestError(f"batch size {self.n_batch} must be >= 1")
         if self.aside < 0:
             raise InvalidRequestError(f"aside of {self.aside} tokens must be >= 0 (0: none)")
+        if self.fim_groups < 0:
+            raise InvalidRequestError(f"FIM groups of {self.fim_groups} lines must be >= 0 (0: none; --fim-groups)")
 
 
 @dataclass(frozen=True)

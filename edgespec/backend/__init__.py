@@ -188,7 +188,10 @@ class Model(FirstSequence):
         self.can_shift = bool(self._parks) and bool(llama_cpp.llama_memory_can_shift(self._mem))
         self.sequences = [KVSequence(self, i) for i in range(cfg.n_seq)]
         self.aside = KVSequence(self, cfg.n_seq + PARKS) if aside else None
+        for s in [*self.sequences, *([self.aside] if self.aside else [])]:  # a slot and the aside trade sequences
+            s.group_lines = cfg.fim_groups
         self._pieces: dict[int, bytes] = {}
+        self._newline: np.ndarray | None = None
 
     # -- decoding: sequence 0 (FirstSequence) ---------------------------------------
 
@@ -242,6 +245,18 @@ class Model(FirstSequence):
     def token_text(self, token: int) -> str:
         """The vocabulary entry as stored in the GGUF (used to compare vocabularies)."""
         return llama_cpp.llama_vocab_get_text(self._vocab_p, token).decode("utf-8", "replace")
+
+    @property
+    def fim_marks(self) -> tuple[int, int, int] | None:
+        """<fim_prefix>, <fim_suffix> and <fim_middle>; None where the vocabulary lacks one."""
+        v = self.vocab
+        return None if None in (v.fim_pre, v.fim_suf, v.fim_mid) else (v.fim_pre, v.fim_suf, v.fim_mid)
+
+    def newline_ends(self) -> np.ndarray:
+        """By token id: whether its text ends with a newline (where a line of a prompt ends: decoding.parts)."""
+        if self._newline is None:
+            self._newline = np.array([self._render(t, special=False).endswith(b"\n") for t in range(self.n_vocab)])
+        return self._newline
 
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab_p, token))

@@ -1,7 +1,9 @@
 """A KV sequence of a loaded model (backend.Model), mirrored in its `tokens`: decode, trim, and moving entries.
 
-Position i holds tokens[i]. Chunks moved (chunk reuse) wait in the model's park sequences while the text before them
-is evaluated: llama.cpp only appends to a sequence.
+Position i holds tokens[i], but in a FIM prompt held as parts (decoding.parts): there the mirror also keeps each
+token's position (cut suffix lines leave theirs empty) and which part it is of, up to the tokens decoded after it.
+Chunks moved (chunk reuse) and parts wait in the model's park sequences while the text before them is evaluated:
+llama.cpp only appends to a sequence.
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ import llama_cpp
 import numpy as np
 
 from edgespec import compute
+from edgespec.backend.parted import PartsHeld
+from edgespec.decoding import parts
 from edgespec.decoding.loop import KeptRow
 from edgespec.errors import ContextOverflowError, EdgespecError, UnsupportedModelError
 
 
-class KVSequence(KeptRow):
+class KVSequence(PartsHeld, KeptRow):
     """One KV sequence of a loaded model, mirrored in `tokens`: what the speculative loop decodes into."""
 
     def __init__(self, model: "backend.Model", seq_id: int) -> None:
+        super().__init__()
         self.model, self.seq_id = model, seq_id
         self.tokens: list[int] = []
 
@@ -74,7 +79,8 @@ class KVSequence(KeptRow):
             run = m
         md._set_batch_seq(self.seq_id)
         md._b_token[:m], md._b_token[m:run] = toks, toks[-1]  # the filler: rows after the batch change none of it
-        md._b_pos[:run] = np.arange(self.n_past, self.n_past + run, dtype=np.int32)
+        at = self.position(self.n_past)
+        md._b_pos[:run] = np.arange(at, at + run, dtype=np.int32)
         md._b_logits[:m], md._b_logits[m:run] = outputs, False
         md._batch.n_tokens = run
         try:
@@ -82,7 +88,7 @@ class KVSequence(KeptRow):
             md._shifted = md._shifted and abortable  # a batch that is not abortable re-rotated them
             if rc == 0:
                 if run > m:
-                    llama_cpp.llama_memory_seq_rm(md._mem, self.seq_id, self.n_past + m, -1)
+                    llama_cpp.llama_memory_seq_rm(md._mem, self.seq_id, at + m, -1)
                 self.tokens.extend(toks.tolist())
         except BaseException:  # e.g. KeyboardInterrupt between the C call and the mirror update
             self._resync()
@@ -112,6 +118,7 @@ class KVSequence(KeptRow):
         llama.cpp re-rotates the keys once: a re-rotation covers every cell of the context, as dear as a pass over
         a long prompt. Everything else is evaluated, in batches of `step`. None when `stop` ended it early: the
         cache then holds the prompt evaluated up to there, then the runs not reached yet (none of them is lost)."""
+        self.trim(self.plain)  # parts held (hold) are not chunks: the plan took none of them (loop.planned)
         runs = [r for r in runs if r[2] > 0]
         prefix = runs[0][2] if runs and runs[0][:2] == (0, 0) else 0
         moved = runs[1:] if prefix else runs
@@ -173,11 +180,16 @@ class KVSequence(KeptRow):
 
     def join_front(self, front: KVSequence, head: int) -> None:
         """Put what `front` holds after its first `head` tokens (as this one's) before what this one holds after them,
-        which moves on (chunk reuse's approximation: computed without what now precedes it); `front` is emptied."""
-        n = front.n_past - head
-        self._move(self.seq_id, head, self.n_past - head, head + n)
+        which moves on (chunk reuse's approximation: computed without what now precedes it); `front` is emptied.
+        Parts held (hold) move on with the rest, the head they saw now longer."""
+        n, end = front.n_past - head, self.position(self.n_past)
+        self._move(self.seq_id, head, end - head, head + n)
         llama_cpp.llama_memory_seq_cp(self.model._mem, front.seq_id, self.seq_id, head, head + n)
         self.tokens[head:head] = front.tokens[head:]
+        if self._parted is not None:
+            pos, labels = self._parted
+            self._parted = ([*range(head + n), *(p + n for p in pos[head:])],
+                            [parts.PLAIN] * (head + n) + labels[head:])
         front.trim(0)
         self._dropped(head)
 
@@ -190,18 +202,25 @@ class KVSequence(KeptRow):
         if n_keep > 0 and not self.model.can_trim:
             raise UnsupportedModelError(f"{self.model.path.name} has a recurrent cache that cannot be cut at position "
                                         f"{n_keep}; use it without speculation (--proposer none)")
-        if not llama_cpp.llama_memory_seq_rm(self.model._mem, self.seq_id, n_keep, -1):
-            raise UnsupportedModelError(f"llama.cpp refused to remove positions >= {n_keep} of {self.model.path.name}")
+        at = self.position(n_keep)
+        if not llama_cpp.llama_memory_seq_rm(self.model._mem, self.seq_id, at, -1):
+            raise UnsupportedModelError(f"llama.cpp refused to remove positions >= {at} of {self.model.path.name}")
         del self.tokens[n_keep:]
         self._dropped(n_keep)
-        if (pos := self.pos_max()) != n_keep - 1:
+        if self._parted is not None:
+            del self._parted[0][n_keep:], self._parted[1][n_keep:]
+            self._parted = None if self.plain >= n_keep else self._parted
+        if (pos := self.pos_max()) != at - 1:
             raise EdgespecError(f"KV cache of {self.model.path.name} ends at {pos} after trimming to {n_keep}")
         return dropped
 
     def saved(self, room: Callable[[int], bool] = lambda size: True) -> ctypes.Array | None:
         """A host copy of its KV entries (engine.recall), moved keys rotated first; None when it holds none or `room`,
         told the copy's bytes before any is made, refuses them."""
-        if not self.tokens or not room(size := llama_cpp.llama_state_seq_get_size(self.model._ctx, self.seq_id)):
+        self.trim(self.plain)  # parts are for the next keystrokes: a kept prompt is what precedes them
+        if not self.tokens:
+            return None
+        if not room(size := llama_cpp.llama_state_seq_get_size(self.model._ctx, self.seq_id)):
             return None
         if self.model._shifted:  # a decode rotates them, as the next would: its last token's again (same cells)
             last = self.tokens[-1]
@@ -223,9 +242,12 @@ class KVSequence(KeptRow):
 
     def _resync(self) -> None:
         """Make the cache and its mirror agree after an interrupted or failed decode."""
-        held = self.pos_max() + 1
-        if held > len(self.tokens):  # decoded, but interrupted before the mirror was updated
-            llama_cpp.llama_memory_seq_rm(self.model._mem, self.seq_id, len(self.tokens), -1)
+        held, end = self.pos_max() + 1, self.position(self.n_past)
+        if held > end:  # decoded, but interrupted before the mirror was updated
+            llama_cpp.llama_memory_seq_rm(self.model._mem, self.seq_id, end, -1)
         else:  # llama.cpp kept only part of a failed batch
-            del self.tokens[held:]
+            n = next(i for i in range(self.n_past + 1) if self.position(i) >= held)
+            del self.tokens[n:]
+            if self._parted is not None:
+                del self._parted[0][n:], self._parted[1][n:]
         self._dropped(len(self.tokens))

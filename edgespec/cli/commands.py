@@ -29,6 +29,7 @@ from edgespec.config import (
     MAX_K,
     MAX_SEQ,
     SHUTDOWN_GRACE_SECONDS,
+    FIM_GROUP_LINES,
     FIM_LAYOUTS,
     EngineConfig,
     LoadConfig,
@@ -153,13 +154,16 @@ def chat_cmd(system: str | None, interactive: bool | None, show_draft: bool, cac
 @click.option("--fim-layout", type=click.Choice(FIM_LAYOUTS), default=DEFAULT_FIM_LAYOUT, show_default=True,
               help="/infill: the typed part of the cursor line starts the middle (a keystroke then appends to the "
                    "prompt) or ends the prefix (llama.cpp's layout).")
+@click.option("--fim-groups", type=click.IntRange(min=0), default=FIM_GROUP_LINES, show_default=True,
+              help="/infill with chunk reuse: hold the suffix in groups of N lines that see only the prefix, so a "
+                   "line the cursor walks over is cut out and the rest kept (0: the prompt in one piece).")
 @click.option("--shutdown-grace", type=click.FloatRange(min=0), default=SHUTDOWN_GRACE_SECONDS, show_default=True,
               help="Seconds requests in flight get after SIGTERM or Ctrl-C before they are cancelled; "
                    "a second signal cancels them at once.")
 @domain_errors
 def serve(host: str, port: int, api_keys: tuple[str, ...], cors_origins: tuple[str, ...], max_body_bytes: int,
           infill_cancel_older: bool, n_seq: int, keepalive: float, cache_reuse: int | None, cache_ram: int | None,
-          fim_layout: str, shutdown_grace: float, **o: Any) -> None:
+          fim_layout: str, fim_groups: int, shutdown_grace: float, **o: Any) -> None:
     """Serve OpenAI-compatible and llama.cpp-style (/infill, /completion) endpoints."""
     try:
         from edgespec.server import Settings, create_app, is_loopback, serve as run_server
@@ -170,7 +174,7 @@ def serve(host: str, port: int, api_keys: tuple[str, ...], cors_origins: tuple[s
                                    f"could use it; pass --api-key KEY, or keep the default --host 127.0.0.1")
     # Bad options end here, in one line, before the port opens. Memory: on by default only where text stays local.
     config = engine_config(o, mmap=False, n_seq=n_seq, memory=is_loopback(host), aside=ASIDE_TOKENS,
-                           cache_ram=cache_ram)
+                           cache_ram=cache_ram, fim_groups=fim_groups)
     port = settle({"port": port}).port
     settings = Settings(host=host, port=port, api_key=api_keys[0] if api_keys else None, api_keys=api_keys[1:],
                         cors_origins=cors_origins,

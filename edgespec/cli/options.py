@@ -199,7 +199,7 @@ def progress_bar(show: bool) -> FetchBar | None:
 
 
 def engine_config(o: dict[str, Any], mmap: bool = True, n_seq: int = 1, memory: bool = True,
-                  aside: int = 0, cache_ram: int | None = None) -> EngineConfig:
+                  aside: int = 0, cache_ram: int | None = None, fim_groups: int = 0) -> EngineConfig:
     """The EngineConfig the engine options describe (flag > env > config file > built-in); `mmap` is the
     command's default for --mmap."""
     d = settle({"model": o["model"], "draft": o["draft"], "ctx": o["n_ctx"], "threads": o["threads"]})
@@ -207,6 +207,7 @@ def engine_config(o: dict[str, Any], mmap: bool = True, n_seq: int = 1, memory: 
                         LoadConfig(n_ctx=d.ctx, n_threads=default_threads() if d.threads is None
                                    else d.threads, flash_attn=o["flash_attn"],
                                    mmap=mmap if o["mmap"] is None else o["mmap"], n_seq=n_seq, aside=aside,
+                                   fim_groups=fim_groups,
                                    n_gpu_layers=-1 if o["gpu_layers"] is None else o["gpu_layers"]),
                         parse_size(o["memory_budget"]) if o["memory_budget"] else None, o["source"],
                         o["draft_gpu_layers"], o["draft_device"], memory if o["memory"] is None else o["memory"],

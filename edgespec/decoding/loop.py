@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, Literal, NamedTuple, Protocol, Seque
 
 import numpy as np
 
+from edgespec.decoding import parts
 from edgespec.decoding import reuse as chunks
 from edgespec.decoding import sampling, verify
 from edgespec.config import GenerationConfig, SamplingConfig
@@ -219,13 +220,20 @@ def prefill(target: Target, prompt: Sequence[int], stats: Stats, reuse: bool = T
     kept = planned(target, prompt, min_chunk, anchor) if reuse else chunks.plan((), prompt)
     stats.cached_prompt_tokens = kept.reused
     stats.shifted_prompt_tokens = kept.moved
+    if isinstance(kept, parts.PartsPlan):
+        return target.hold(prompt, kept, stop, step)  # type: ignore[attr-defined]
     return target.evaluate(prompt, [(r.start, r.source, r.length) for r in kept.runs], 1, stop, step)
 
 
 def planned(target: Target, prompt: Sequence[int], min_chunk: int = 0, anchor: int | None = None) -> chunks.Reuse:
     """What of `target`'s cache `prefill` keeps for `prompt`: the common prefix, and with `min_chunk` > 0 where the
-    cache can shift, the runs that only moved (decoding.reuse.plan); its `new` tokens are the ones evaluated."""
-    return chunks.plan(target.tokens, prompt, min_chunk if target.can_shift else 0, anchor)
+    cache can shift, the runs that only moved (decoding.reuse.plan); its `new` tokens are the ones evaluated. With
+    `min_chunk` > 0, a FIM prompt the cache holds as parts is planned so (decoding.parts), and any other keeps only
+    what the parts' cache holds before them."""
+    if min_chunk and (grouped := getattr(target, "grouped", None)) is not None and (p := grouped(prompt)) is not None:
+        return p
+    held = target.tokens[:getattr(target, "plain", len(target.tokens))]
+    return chunks.plan(held, prompt, min_chunk if target.can_shift else 0, anchor)
 
 
 def cycle(target: Target, proposer: Proposer | None, committed: list[int], k: int, sc: SamplingConfig,

@@ -58,6 +58,9 @@ NEAR_BUDGETS = 2.0
 FOLLOWS_CHECKED = 32  # tokens of a slot's first lines checked before lines go in front of them (SlotPool.join_front)
 ASIDE_HEAD = 32  # tokens an aside build leaves of LoadConfig.aside for what precedes the lines (FIM and file tokens)
 WIDEN_LINES_STEP = 4  # of fim.FIT_STEPS: a background step adds 1/64 of the lines a side, done within a pause
+# Suffix lines a slot that holds FIM prompts as parts (LoadConfig.fim_groups) is given in a pause, a group at a time:
+# about llama-server's n_batch/4 tokens, the width that completed best in replay (docs/bench/editor.md).
+GROUPED_SUFFIX_LINES = 24
 # Texts kept tokenized: a fit tokenizes the prefix, the suffix and the typed text once, and mostly the same ones
 # again on an editor's next request (the same line typed further, its speculative request).
 TOKENIZED_TEXTS = 512
@@ -88,6 +91,9 @@ class InfillPrompt:
     # What to build in the aside sequence for the requests that follow, where that widens this prompt's context;
     # None without a budget or an aside.
     aside: Callable[[], AsideBuild | None] = field(default=lambda: None)
+    # The prompt with its suffix ever wider, a group of lines at a time, for a slot that holds FIM prompts as parts
+    # to evaluate in a pause (each evaluates its new lines, and moves the middle on).
+    grown: Callable[[], Iterator[list[int]]] = field(default=lambda: iter(()))
 
 
 def infill_prompt(m: Model, pool: SlotPool, rate: PromptRate, infill: Infill, max_tokens: int,
@@ -147,7 +153,9 @@ def infill_prompt(m: Model, pool: SlotPool, rate: PromptRate, infill: Infill, ma
     walked = _walked(fim, infill, target, room, max(budget, 1), near, lambda t: plan(target.cache, t), fitted,
                      new) if layout == "middle" else None
     fitted, new, written = walked or (fitted, new, "")
-    return InfillPrompt(fitted.tokens, _kept(m, fitted.kept, asked, written), chosen, new, budget, widening, build)
+    grown = functools.partial(_grown, fim, infill.suffix, fitted.tokens, room, target.cache.group_lines)
+    return InfillPrompt(fitted.tokens, _kept(m, fitted.kept, asked, written), chosen, new, budget, widening, build,
+                        grown if target.cache.group_lines and cache_reuse and layout == "middle" else lambda: iter(()))
 
 
 def _kept(m: Model, kept: Kept, asked: Infill, written: str) -> Kept:
@@ -165,7 +173,7 @@ def _walked(fim: FimPrompt, infill: Infill, target: Slot, room: int, budget: int
     written since, where it holds no less than `fitted` (`new` tokens to evaluate) for no more than `budget` or `new`
     (what the budget leaves may buy suffix lines, which stay while lines are written) and moves nothing; else None,
     and `fitted` it is (a wider build of the aside is worth its tokens once; the lines written start again there)."""
-    if (w := written_since(infill, target.cache.tokens, fim.vocab, fim.piece)) is None:
+    if (w := written_since(infill, target.cache.tokens, fim.vocab, fim.piece, target.cache.group_lines > 0)) is None:
         return None
     cost = lambda t: room + 1 if (k := kept(t)).moved else k.new  # noqa: E731
     starts = _starts(w, cached_lines(target.cache.tokens, fim.vocab, fim.piece))
@@ -173,6 +181,23 @@ def _walked(fim: FimPrompt, infill: Infill, target: Slot, room: int, budget: int
     n = cost(walked.tokens)
     wide = len(walked.tokens) + written.count("\n") >= len(fitted.tokens)  # a line may tokenize apart at its end
     return (walked, n, written) if wide and n <= max(budget, new) else None
+
+
+def _grown(fim: FimPrompt, suffix: str, tokens: list[int], room: int, group: int) -> Iterator[list[int]]:
+    """`tokens` with `group` more lines of `suffix` after its own each time, up to GROUPED_SUFFIX_LINES, while they
+    fit `room`."""
+    v, lines = fim.vocab, suffix.splitlines(keepends=True)
+    s = tokens.index(v.fim_suf, tokens.index(v.fim_pre))
+    m = tokens.index(v.fim_mid, s)
+    held = tokens[s + 1:m]
+    n = next((k for k in range(len(lines) + 1) if len(fim.lines_tokens(suffix, lines, 0, k)) >= len(held)),
+             len(lines))
+    while n < min(GROUPED_SUFFIX_LINES, len(lines)):
+        n = min(n + group, GROUPED_SUFFIX_LINES, len(lines))
+        wide = fim.lines_tokens(suffix, lines, 0, n)
+        if wide[:len(held)] != held or len(tokens) + len(wide) - len(held) > room:
+            return
+        yield [*tokens[:s + 1], *wide, *tokens[m:]]
 
 
 def _warm_up(fim: FimPrompt, infill: Infill, slots: Sequence[Slot], slot: int | None, room: int,

@@ -177,12 +177,12 @@ class FimPrompt:
         pre_lines, suf_lines = infill.prefix.splitlines(keepends=True), infill.suffix.splitlines(keepends=True)
         n_pre, n_suf, n_extra = (_count(take.prefix_lines, len(pre_lines)), _count(take.suffix_lines, len(suf_lines)),
                                  _count(take.extra_chunks, len(infill.extra)))
-        pre = self._cut(infill.prefix, pre_lines, len(pre_lines) - n_pre, len(pre_lines))
-        suf = self._cut(infill.suffix, suf_lines, 0, n_suf)
+        pre = self.lines_tokens(infill.prefix, pre_lines, len(pre_lines) - n_pre, len(pre_lines))
+        suf = self.lines_tokens(infill.suffix, suf_lines, 0, n_suf)
         extra = infill.extra[len(infill.extra) - n_extra:]
         return self.assemble(self.head(extra), pre, self.tokenize(infill.typed), suf), pre, suf
 
-    def _cut(self, text: str, lines: list[str], first: int, last: int) -> list[int]:
+    def lines_tokens(self, text: str, lines: list[str], first: int, last: int) -> list[int]:
         """The tokens of `lines[first:last]` of `text`: cut from its one tokenization where there is one."""
         if (split := self.split_lines(text)) is not None:
             tokens, starts = split
@@ -276,10 +276,10 @@ class FimPrompt:
         if max_new is None or not (lines := infill.prefix.splitlines(keepends=True)):
             return None
         most = max(max_new, near_most or 0)
-        last, typed = self._cut(infill.prefix, lines, len(lines) - 1, len(lines)), self.tokenize(infill.typed)
+        last, typed = self.lines_tokens(infill.prefix, lines, len(lines) - 1, len(lines)), self.tokenize(infill.typed)
         head, suffix = self.head(()), infill.suffix.splitlines(keepends=True)
         for n_suf in dict.fromkeys([_share(infill, FIT_STEPS, 0).suffix_lines or 0, 0]):  # its nearest, or none
-            suf = self._cut(infill.suffix, suffix, 0, n_suf)
+            suf = self.lines_tokens(infill.suffix, suffix, 0, n_suf)
             # the widest first, from twice what the budget buys fresh: a cut the cache holds was sized to a budget
             # like this one, and a line of thousands of tokens (minified code) is not priced step by step
             for k in range(min(len(last) - 1, room, 2 * most) // TAIL_STEP, 0, -1):
@@ -322,7 +322,7 @@ class FimPrompt:
         n = len(lines)
 
         def fits(k: int, most: int) -> int | None:
-            return k if len(self._cut(infill.prefix, lines, n - k, n)) <= most else None
+            return k if len(self.lines_tokens(infill.prefix, lines, n - k, n)) <= most else None
 
         at = lines_start(lines, held)
         k = n - at if at is not None and fits(n - at, most) is not None else _largest(n, lambda k: fits(k, first))[0]
@@ -444,11 +444,13 @@ def cursor_anchor(prompt: Sequence[int], vocab: Vocab, piece: Callable[[int], by
     return pre + 1 if at is None else at
 
 
-def written_since(infill: Infill, cached: Sequence[int], vocab: Vocab, piece: Callable[[int], bytes]) -> Infill | None:
+def written_since(infill: Infill, cached: Sequence[int], vocab: Vocab, piece: Callable[[int], bytes],
+                  walked: bool = False) -> Infill | None:
     """`infill` laid out to continue the middle-layout FIM prompt `cached`: where its suffix's text still starts
-    the request's suffix, and its prefix's last lines come 1 to WRITTEN_LINES whole lines before the request's cursor
-    line, those lines start the typed text and the prefix ends there. The same text in another layout, evaluated
-    afresh where it is new; None where `cached` is not such a prompt."""
+    the request's suffix (or, `walked`, its first line and then its lines from any but the first: the cursor walked
+    over them, a file typed over), and its prefix's last lines come 1 to WRITTEN_LINES whole lines before the
+    request's cursor line, those lines start the typed text and the prefix ends there. The same text in another
+    layout, evaluated afresh where it is new; None where `cached` is not such a prompt."""
     tokens = list(cached)
     if (pre := _last(tokens, vocab.fim_pre)) is None:
         return None
@@ -461,7 +463,9 @@ def written_since(infill: Infill, cached: Sequence[int], vocab: Vocab, piece: Ca
     except UnicodeDecodeError:
         return None
     anchor = "".join(prefix.splitlines(keepends=True)[-WRITTEN_ANCHOR_LINES:])
-    if not anchor.endswith("\n") or not suffix or not infill.suffix.startswith(suffix):
+    first, *rest = suffix.splitlines(keepends=True) or [""]
+    kept = [first + "".join(rest[j:]) for j in range(len(rest) if walked else 1)]
+    if not anchor.endswith("\n") or not suffix or not any(infill.suffix.startswith(k) for k in kept):
         return None
     lines, end = infill.prefix.splitlines(keepends=True), len(infill.prefix)
     for line in lines[:-WRITTEN_LINES - 1:-1]:

@@ -83,6 +83,7 @@ class RemoteSequence:
         self.model, self.seq_id = model, seq_id
         self.tokens: list[int] = []
 
+    group_lines = 0  # FIM prompts in one piece: parts (backend.parted) are not offered across the process
     n_ctx = KVSequence.n_ctx
     n_past = KVSequence.n_past
     is_eog = KVSequence.is_eog

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import threading
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator
@@ -104,8 +105,9 @@ class LlamaRoutes:
             # the next requests' wider context: built aside, afresh, first; widened in place only without an aside
             build, widen = ip.aside(), wider if eng.pool.aside is None else None
             aside = None if build is None else functools.partial(self.svc.build_in_pause, eng, build)
-            self.svc.warm(widen, req.config, WIDEN_DELAY, now=lambda: () if kept or lead else ahead(answer),
-                          aside=aside)
+            # the editor's next request first, then the suffix held in parts grown (engine.infill)
+            now = lambda: itertools.chain(() if kept or lead else ahead(answer), ip.grown())  # noqa: E731
+            self.svc.warm(widen, req.config, WIDEN_DELAY, now=now, aside=aside)
 
         return await self.respond(request, ip.tokens, req, "the infill prompt ('input_prefix', 'input_suffix', "
                                                            "'prompt', 'input_extra')", infill=True, report=report,

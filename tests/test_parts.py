@@ -140,3 +140,20 @@ def test_a_line_start_in_a_file_typed_over_evaluates_a_few_dozen_tokens_and_keep
     rows = prefill(seq, p, Stats(), True, 256)
     assert rows is not None and seq.tokens == p and seq.plain < len(p)
     assert seq.pos_max() == seq.position(len(p) - 1)
+
+
+def test_a_prompt_of_another_kind_keeps_what_precedes_the_parts_and_then_holds_in_one_piece(coder):
+    """A chat or llama.cpp-layout prompt on a slot that holds parts keeps the plain head at most: positions after it
+    were left empty by cut lines, and its cells saw less than a plain cell would. A cache cut where positions jump
+    (a speculative cycle's rollback) ends where the token before the cut is."""
+    walk(coder, LINES, 30, 2)
+    seq = coder.sequences[0]
+    hole = next(i for i in range(1, seq.n_past) if seq.position(i) > seq.position(i - 1) + 1)
+    assert seq.plain <= hole < seq.n_past
+    seq.trim(hole)
+    assert seq.n_past == hole and seq.pos_max() == seq.position(hole - 1)
+    other = [*seq.tokens[:seq.plain], *coder.tokenize("    return 0\n", add_special=False)]
+    plan = planned(seq, other, 256)
+    assert not isinstance(plan, parts.PartsPlan) and plan.reused <= seq.plain
+    assert prefill(seq, other, Stats(), True, 256) is not None
+    assert seq.tokens == other and seq.plain == seq.n_past and seq.pos_max() == len(other) - 1

@@ -202,7 +202,7 @@ class KVSequence(PartsHeld, KeptRow):
         if n_keep > 0 and not self.model.can_trim:
             raise UnsupportedModelError(f"{self.model.path.name} has a recurrent cache that cannot be cut at position "
                                         f"{n_keep}; use it without speculation (--proposer none)")
-        at = self.position(n_keep)
+        at, last = self.position(n_keep), self.position(n_keep - 1) if n_keep else -1
         if not llama_cpp.llama_memory_seq_rm(self.model._mem, self.seq_id, at, -1):
             raise UnsupportedModelError(f"llama.cpp refused to remove positions >= {at} of {self.model.path.name}")
         del self.tokens[n_keep:]
@@ -210,7 +210,7 @@ class KVSequence(PartsHeld, KeptRow):
         if self._parted is not None:
             del self._parted[0][n_keep:], self._parted[1][n_keep:]
             self._parted = None if self.plain >= n_keep else self._parted
-        if (pos := self.pos_max()) != at - 1:
+        if (pos := self.pos_max()) != last:
             raise EdgespecError(f"KV cache of {self.model.path.name} ends at {pos} after trimming to {n_keep}")
         return dropped
 

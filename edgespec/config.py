@@ -74,7 +74,7 @@ PAUSES_KEPT = 16  # the last pauses between answers and requests that background
 # Cells `edgespec serve` sets apart for the aside sequence (LoadConfig.aside): a cut /infill context is built wider
 # there, afresh, while nobody waits, and the editor's slot takes it whole when it is ready (engine.infill).
 ASIDE_TOKENS = 1024
-# Suffix lines a group holds where `edgespec serve` holds /infill's FIM prompts as parts (LoadConfig.fim_groups,
+# Suffix lines a group holds where /infill's FIM prompts are held as parts (`edgespec serve --fim-groups`,
 # decoding.parts): groups of one line cost completions, of four none, in replay (docs/bench/editor.md).
 FIM_GROUP_LINES = 4
 # Seconds after an answer before background work starts: its compute threads take both cores of a small CPU, and the

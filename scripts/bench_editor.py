@@ -231,6 +231,8 @@ class Record:
     accepted: int | None = None
     # extra chunks the prompt held of those sent (edgespec's `infill.extra_chunks`, where the response carries it)
     extra_chunks: list[int] | None = None
+    prefix_tokens: list[int] | None = None  # and of the prefix's tokens, and the suffix's (`infill.*_tokens`)
+    suffix_tokens: list[int] | None = None
 
 
 @dataclass
@@ -311,7 +313,7 @@ def _record(kind: str, where: str, data: dict, seconds: float, body: dict, real:
     spec, infill = data.get("speculative") or {}, data.get("infill") or {}
     return Record(kind, where, seconds, prompt_n, cache_n, content, real, limit, agreement(content, real),
                   prompt_ms, predicted_ms, predicted_n, spec.get("drafted"), spec.get("accepted"),
-                  infill.get("extra_chunks"))
+                  infill.get("extra_chunks"), infill.get("prefix_tokens"), infill.get("suffix_tokens"))
 
 
 def turn(peer: Peer, others: list[Peer], fn: Any) -> Any:

@@ -157,3 +157,30 @@ def test_a_prompt_of_another_kind_keeps_what_precedes_the_parts_and_then_holds_i
     assert not isinstance(plan, parts.PartsPlan) and plan.reused <= seq.plain
     assert prefill(seq, other, Stats(), True, 256) is not None
     assert seq.tokens == other and seq.plain == seq.n_past and seq.pos_max() == len(other) - 1
+
+
+def test_a_server_with_fim_groups_grows_the_suffix_in_pauses_and_a_line_start_keeps_it(qwen_draft_path):
+    """`edgespec serve --fim-groups 4`, a file typed over line by line with llama.vim's budgeted requests and a pause
+    after each answer: the pauses grow the suffix the slot holds well past what a cold request's budget bought, and
+    later line starts keep it, evaluating a few dozen tokens."""
+    import time
+
+    import httpx
+    from test_server import Server
+
+    server = Server(qwen_draft_path, "--ctx", "4096", "--slots", "1", "--cache-ram", "0", "--fim-groups", "4")
+    try:
+        answers = []
+        for y in range(30, 37):
+            body = {"input_prefix": "".join(LINES[:y]), "input_suffix": "\n" + "".join(LINES[y + 1:y + 40]),
+                    "prompt": "    ", "n_predict": 8, "temperature": 0, "t_max_prompt_ms": 300,
+                    "t_max_predict_ms": 500}
+            answers.append(httpx.post(server.url + "/infill", json=body, timeout=300).json())
+            time.sleep(3)  # the user reads the answer: the slot's suffix grows meanwhile
+        first, later = answers[0], answers[3:]
+        widest = max(a["infill"]["suffix_tokens"][0] for a in later)
+        assert widest >= 3 * first["infill"]["suffix_tokens"][0], [a["infill"] for a in answers]
+        held = [a for a in later if a["infill"]["suffix_tokens"][0] == widest]
+        assert all(a["timings"]["prompt_n"] <= 48 for a in held), [a["timings"] for a in held]
+    finally:
+        server.stop()

@@ -217,8 +217,7 @@ class KVSequence(PartsHeld, KeptRow):
     def saved(self, room: Callable[[int], bool] = lambda size: True) -> ctypes.Array | None:
         """A host copy of its KV entries (engine.recall), moved keys rotated first; None when it holds none or `room`,
         told the copy's bytes before any is made, refuses them."""
-        self.trim(self.plain)  # parts are for the next keystrokes: a kept prompt is what precedes them
-        if not self.tokens:
+        if not self.tokens or self._parted is not None:  # parts are for the next keystrokes, and kept in place
             return None
         if not room(size := llama_cpp.llama_state_seq_get_size(self.model._ctx, self.seq_id)):
             return None

@@ -13,7 +13,8 @@ import llama_cpp
 import numpy as np
 
 from edgespec import compute
-from edgespec.decoding import parts
+from edgespec.decoding import parts, reuse
+from edgespec.decoding.reuse import Reuse
 from edgespec.errors import EdgespecError
 
 
@@ -46,9 +47,12 @@ class PartsHeld:
         pos, labels = self._parted
         return next((i for i, (p, x) in enumerate(zip(pos, labels)) if p != i or x != parts.PLAIN), self.n_past)
 
-    def grouped(self, prompt: Sequence[int]) -> parts.PartsPlan | None:
+    def grouped(self, prompt: Sequence[int]) -> Reuse | None:
         """The plan that holds `prompt` as parts (decoding.parts), where this sequence holds FIM prompts so
-        (`group_lines`), `prompt` is one and it keeps more than the head of what this one holds; else None."""
+        (`group_lines`), `prompt` is one and it keeps more than the head of what this one holds. Where it keeps no
+        more but this one holds parts, the plain prefix alone, unmoved: a prompt that moves the head (lines put
+        before it) would drop the parts, which the pauses built for the lines to come, to buy lines a pause adds
+        in front without dropping them (engine.slots.join_front). Else None."""
         marks = self.model.fim_marks
         if not self.group_lines or not self.can_shift or marks is None:
             return None
@@ -58,15 +62,16 @@ class PartsHeld:
         n, (pos, labels) = self.n_past, self._parted or ([], [])
         positions = [*pos, *range(pos[-1] + 1 if pos else len(pos), (pos[-1] + 1 if pos else 0) + n - len(pos))]
         labels = [*labels, *[parts.PLAIN] * (n - len(labels))]
-        return parts.plan(self.tokens, positions, labels, parts.layout(self.tokens, marks, newline), prompt, lay,
+        plan = parts.plan(self.tokens, positions, labels, parts.layout(self.tokens, marks, newline), prompt, lay,
                           self.group_lines)
+        return plan if plan is not None or self._parted is None else reuse.plan(self.tokens[:self.plain], prompt)
 
     def hold(self, prompt: Sequence[int], plan: parts.PartsPlan, stop: Callable[[], bool] | None = None,
              step: int | None = None) -> np.ndarray | None:
-        """Make the cache hold `prompt` as `plan` (grouped) says and return its last token's logits, as evaluate;
-        None when `stop` ended it early: before it began, or in the tail (the parts, a group of lines at a time in
-        the background, are evaluated whole)."""
-        if stop is not None and stop():
+        """Make the cache hold `prompt` as `plan` (grouped) says and return its last token's logits, as evaluate.
+        The parts are evaluated first, beside it, in batches of `step`: None when `stop` ended that (the cache as it
+        was), or the tail's evaluation (the prompt evaluated up to there)."""
+        if (placed := self._evaluate_parts(prompt, plan, stop, step)) is None:
             return None
         mem, seq = self.model._mem, self.seq_id
         kept = np.zeros(self.n_past + 1, dtype=bool)
@@ -80,7 +85,12 @@ class PartsHeld:
         if plan.shift[1]:
             llama_cpp.llama_memory_seq_add(mem, seq, plan.shift[0], -1, plan.shift[1])
             self.model._shifted = True
-        self._decode_parts(prompt, plan.parts)
+        for z, part, base in placed:  # each into place (a move, re-rotated by the next decode), then into this one
+            if part.at != base:
+                llama_cpp.llama_memory_seq_add(mem, z, base, base + part.end - part.start, part.at - base)
+                self.model._shifted = True
+            llama_cpp.llama_memory_seq_cp(mem, z, seq, part.at, part.at + part.end - part.start)
+            llama_cpp.llama_memory_seq_rm(mem, z, -1, -1)
         self.tokens = list(prompt[:plan.tail])
         self._parted = (list(plan.positions[:plan.tail]), list(plan.labels[:plan.tail]))
         self._dropped(0)
@@ -88,35 +98,45 @@ class PartsHeld:
         self._keep_row(rows)
         return rows
 
-    def _decode_parts(self, prompt: Sequence[int], todo: Sequence[parts.Part]) -> None:
-        """Evaluate each part in a park sequence that holds only the cells it sees, right after them (llama.cpp
-        appends to a sequence only), then move it into place and add it to this one."""
+    def _evaluate_parts(self, prompt: Sequence[int], plan: parts.PartsPlan, stop: Callable[[], bool] | None,
+                        step: int | None) -> list[tuple[int, parts.Part, int]] | None:
+        """Evaluate each part of `plan` in a park sequence that holds only the cells it sees, right after them
+        (llama.cpp appends to a sequence only; the kept middle where it is before it moves on), and leave it there
+        alone: (park, part, where it is). None where `stop` ended it, the parks emptied."""
         mem, seq, parks = self.model._mem, self.seq_id, self.model._parks
-        for first in range(0, len(todo), len(parks)):
-            batch = list(zip(parks, todo[first:first + len(parks)]))
-            cells = []
-            for z, part in batch:
-                for lo, hi in part.sees:
-                    llama_cpp.llama_memory_seq_cp(mem, seq, z, lo, hi)
-                base = max(hi for _, hi in part.sees)
-                cells += [(base + k, prompt[i], z) for k, i in enumerate(range(part.start, part.end))]
-            try:
-                self._decode_cells(cells)
-                for z, part in batch:
-                    base, n = max(hi for _, hi in part.sees), part.end - part.start
-                    if part.at != base:
-                        llama_cpp.llama_memory_seq_add(mem, z, base, base + n, part.at - base)
-                        self.model._shifted = True
-                    llama_cpp.llama_memory_seq_cp(mem, z, seq, part.at, part.at + n)
-            finally:
-                for z, _ in batch:
-                    llama_cpp.llama_memory_seq_rm(mem, z, -1, -1)
+        if len(plan.parts) > len(parks):
+            raise ValueError(f"{len(plan.parts)} parts, more than the {len(parks)} park sequences")
+        since, by = plan.shift
+        placed, cells, seen = [], [], []
+        for z, part in zip(parks, plan.parts):
+            sees = [(lo - by, hi - by) if by and lo >= since else (lo, hi) for lo, hi in part.sees]
+            for lo, hi in sees:
+                llama_cpp.llama_memory_seq_cp(mem, seq, z, lo, hi)
+            base = max(hi for _, hi in sees)
+            cells += [(base + k, prompt[i], z) for k, i in enumerate(range(part.start, part.end))]
+            placed.append((z, part, base))
+            seen += [(z, lo, hi) for lo, hi in sees]
+        try:
+            done = self._decode_cells(cells, stop, step)
+        finally:
+            for z, lo, hi in seen:  # a part alone in its park: what it saw stays this one's only
+                llama_cpp.llama_memory_seq_rm(mem, z, lo, hi)
+        if not done:
+            for z, _, _ in placed:
+                llama_cpp.llama_memory_seq_rm(mem, z, -1, -1)
+            return None
+        return placed
 
-    def _decode_cells(self, cells: Sequence[tuple[int, int, int]]) -> None:
-        """(position, token, sequence) cells in batches of n_batch, no logits."""
+    def _decode_cells(self, cells: Sequence[tuple[int, int, int]], stop: Callable[[], bool] | None,
+                      step: int | None) -> bool:
+        """(position, token, sequence) cells in batches of `step` (at most n_batch), no logits; False where `stop`
+        said so before one."""
         md = self.model
-        for at in range(0, len(cells), md.n_batch):
-            chunk = cells[at:at + md.n_batch]
+        size = min(step or md.n_batch, md.n_batch)
+        for at in range(0, len(cells), size):
+            if stop is not None and stop():
+                return False
+            chunk = cells[at:at + size]
             m = len(chunk)
             for k, (_, _, z) in enumerate(chunk):
                 md._batch.seq_id[k][0] = z
@@ -129,3 +149,4 @@ class PartsHeld:
             if (rc := compute.run(llama_cpp.llama_decode, md._ctx, md._batch)) != 0:
                 raise EdgespecError(f"llama_decode failed with code {rc} for {m} cells of FIM parts")
             md._shifted = False
+        return True

@@ -34,8 +34,8 @@ from edgespec.decoding.costs import PromptRate
 from edgespec.decoding.loop import Target, planned
 from edgespec.engine.recall import near_cursor
 from edgespec.engine.slots import Slot, SlotPool
-from edgespec.prompts.fim import (Fitted, FimPrompt, Infill, Kept, cached_lines, cursor_anchor, lines_start,
-                                  written_since)
+from edgespec.prompts.fim import (FIT_STEPS, Fitted, FimPrompt, Infill, Kept, cached_lines, cursor_anchor,
+                                  lines_start, written_since)
 
 # New tokens a request's budget must buy after moving what the slot holds (a re-rotation of every cell of the
 # context) for the move to be worth it; where it buys fewer, the request takes what the slot serves in place and the
@@ -142,20 +142,20 @@ def infill_prompt(m: Model, pool: SlotPool, rate: PromptRate, infill: Infill, ma
     if relaxed is not None and relaxed.kept.prefix_tokens[0] > fitted.kept.prefix_tokens[0]:
         fitted, budget = relaxed, plain
     new = new_tokens(target, fitted.tokens)
-    if aside is not None and aside.tokens and (wide := _from_aside(fim, infill, room, aside, aside_lines, plain,
-                                                                   fitted, new)):
+    grouped = bool(target.cache.group_lines and cache_reuse and layout == "middle")
+    parted = grouped and target.cache.plain < target.cache.n_past  # its parts are kept: no build afresh taken
+    if not parted and aside is not None and aside.tokens and (wide := _from_aside(fim, infill, room, aside,
+                                                                                  aside_lines, plain, fitted, new)):
         fitted, new = wide
-    done = fitted.kept.prefix_tokens[0] >= fitted.kept.prefix_tokens[1]
-    front = chosen if cache_reuse and m.can_shift and not fitted.extra_chunks else None  # moves asked, and can be
-    build = (lambda: None) if aside is None or done else functools.partial(
-        _aside_build, fim, infill, fitted, m.cfg.aside - ASIDE_HEAD, aside_lines, front)
     widening = functools.partial(fim.widening, infill, room, fitted, WIDEN_LINES_STEP)
-    walked = _walked(fim, infill, target, room, max(budget, 1), near, lambda t: plan(target.cache, t), fitted,
-                     new) if layout == "middle" else None
-    fitted, new, written = walked or (fitted, new, "")
-    grown = functools.partial(_grown, fim, infill.suffix, fitted.tokens, room, target.cache.group_lines)
+    fitted, new, written = _continued(fim, infill, target, room, max(budget, 1), near,
+                                      functools.partial(plan, target.cache), fitted, new, layout, parted)
+    front = chosen if cache_reuse and m.can_shift and not fitted.extra_chunks else None  # moves asked, and can be
+    build = (lambda: None) if aside is None or fitted.kept.prefix_tokens[0] >= fitted.kept.prefix_tokens[1] else \
+        functools.partial(_aside_build, fim, infill, fitted, m.cfg.aside - ASIDE_HEAD, aside_lines, front, parted)
+    grown = functools.partial(_grown, fim, infill.suffix, fitted.tokens, target, room) if grouped else None
     return InfillPrompt(fitted.tokens, _kept(m, fitted.kept, asked, written), chosen, new, budget, widening, build,
-                        grown if target.cache.group_lines and cache_reuse and layout == "middle" else lambda: iter(()))
+                        grown or (lambda: iter(())))
 
 
 def _kept(m: Model, kept: Kept, asked: Infill, written: str) -> Kept:
@@ -165,6 +165,16 @@ def _kept(m: Model, kept: Kept, asked: Infill, written: str) -> Kept:
     return replace(kept, prefix_tokens=(kept.prefix_tokens[0] + lines, len(_tokens(m, asked.prefix))),
                    typed_tokens=(kept.typed_tokens[0] - lines, len(_tokens(m, asked.typed))),
                    suffix_tokens=(kept.suffix_tokens[0], len(_tokens(m, asked.suffix))))
+
+
+def _continued(fim: FimPrompt, infill: Infill, target: Slot, room: int, budget: int, near: int,
+               kept: Callable[[list[int]], reuse.Reuse], fitted: Fitted, new: int, layout: str,
+               parted: bool) -> tuple[Fitted, int, str]:
+    """The prompt that continues what `target` holds, as parts (`parted`: _in_parts) or in the middle layout
+    (_walked), where there is one; else `fitted`. With its new tokens and the lines written since."""
+    return (parted and _in_parts(fim, infill, target, room, kept, max(budget, new))) or (
+        layout == "middle" and _walked(fim, infill, target, room, budget, near, kept, fitted, new)) or (
+        fitted, new, "")
 
 
 def _walked(fim: FimPrompt, infill: Infill, target: Slot, room: int, budget: int, near: int,
@@ -183,21 +193,62 @@ def _walked(fim: FimPrompt, infill: Infill, target: Slot, room: int, budget: int
     return (walked, n, written) if wide and n <= max(budget, new) else None
 
 
-def _grown(fim: FimPrompt, suffix: str, tokens: list[int], room: int, group: int) -> Iterator[list[int]]:
-    """`tokens` with `group` more lines of `suffix` after its own each time, up to GROUPED_SUFFIX_LINES, while they
-    fit `room`."""
+def _suffix_lines(fim: FimPrompt, suffix: str, tokens: list[int]) -> tuple[int, Callable[[int], list[int] | None]]:
+    """How many lines of `suffix` the middle-layout prompt `tokens` holds, and the same prompt with its first n lines
+    instead (None where the prompt's are not its first lines)."""
     v, lines = fim.vocab, suffix.splitlines(keepends=True)
     s = tokens.index(v.fim_suf, tokens.index(v.fim_pre))
     m = tokens.index(v.fim_mid, s)
     held = tokens[s + 1:m]
-    n = next((k for k in range(len(lines) + 1) if len(fim.lines_tokens(suffix, lines, 0, k)) >= len(held)),
-             len(lines))
-    while n < min(GROUPED_SUFFIX_LINES, len(lines)):
-        n = min(n + group, GROUPED_SUFFIX_LINES, len(lines))
-        wide = fim.lines_tokens(suffix, lines, 0, n)
-        if wide[:len(held)] != held or len(tokens) + len(wide) - len(held) > room:
+    at = next((k for k in range(len(lines) + 1) if len(fim.lines_tokens(suffix, lines, 0, k)) >= len(held)),
+              len(lines))
+
+    def with_lines(n: int) -> list[int] | None:
+        wide = fim.lines_tokens(suffix, lines, 0, min(n, len(lines)))
+        return [*tokens[:s + 1], *wide, *tokens[m:]] if wide[:len(held)] == held else None
+
+    return at, with_lines
+
+
+def _in_parts(fim: FimPrompt, infill: Infill, target: Slot, room: int, kept: Callable[[list[int]], reuse.Reuse],
+              most: int) -> tuple[Fitted, int, str] | None:
+    """For a slot that holds its prompt as parts: the prompt that keeps its head as it is, the lines written since
+    after <fim_middle> (written_since), and the most suffix lines, up to GROUPED_SUFFIX_LINES, that cost no more
+    than `most` new tokens and move nothing; with its new tokens and the lines written. None where there is none.
+    Built, not fitted: a fit's widths would move the head and drop the parts."""
+    cache, v = target.cache, fim.vocab
+    if (w := written_since(infill, cache.tokens, v, fim.piece, True)) is None:
+        return None
+    s = cache.tokens.index(v.fim_suf, cache.tokens.index(v.fim_pre))
+    head, typed, lines = cache.tokens[:s + 1], fim.tokenize(w.typed), w.suffix.splitlines(keepends=True)
+    best = None
+    for n in range(min(GROUPED_SUFFIX_LINES, len(lines)), 0, -1):
+        suf = fim.lines_tokens(w.suffix, lines, 0, n)
+        tokens = [*head, *suf, v.fim_mid, *typed]
+        if len(tokens) <= room and not (k := kept(tokens)).moved and k.new <= most:
+            best = k.new, tokens, suf
+            break
+    if best is None:
+        return None
+    at = cache.tokens.index(v.fim_pre)
+    written = w.typed[:len(w.typed) - len(infill.typed)]
+    n_extra = max(0, head[:at].count(v.fim_sep) - 1) if v.fim_sep is not None else 0  # a file's, then the prompt's
+    pre = head[at + 1:s]
+    return Fitted(best[1], fim.kept(w, pre, best[2], n_extra), FIT_STEPS, n_extra), best[0], written
+
+
+def _grown(fim: FimPrompt, suffix: str, tokens: list[int], target: Slot, room: int) -> Iterator[list[int]]:
+    """The prompt `target` holds (`tokens` as it was laid out, unless a pause put lines in front of it since) with
+    a group more lines of `suffix` after its own each time, up to GROUPED_SUFFIX_LINES, while they fit `room`."""
+    while True:
+        held = target.cache.tokens
+        if fim.vocab.fim_mid not in held or fim.vocab.fim_pre not in held:
+            held = tokens
+        n, with_lines = _suffix_lines(fim, suffix, held)
+        n = min(n + target.cache.group_lines, GROUPED_SUFFIX_LINES)
+        if n > len(suffix.splitlines()) or (wide := with_lines(n)) is None or len(wide) > room or wide == held:
             return
-        yield [*tokens[:s + 1], *wide, *tokens[m:]]
+        yield wide
 
 
 def _warm_up(fim: FimPrompt, infill: Infill, slots: Sequence[Slot], slot: int | None, room: int,
@@ -230,20 +281,23 @@ def _in_place(fim: FimPrompt, infill: Infill, room: int, budget: int, near: int,
 
 
 def _aside_build(fim: FimPrompt, infill: Infill, fitted: Fitted, most: int, asked: str,
-                 front: int | None) -> AsideBuild | None:
+                 front: int | None, parted: bool = False) -> AsideBuild | None:
     """What the aside should build next (of at most `most` tokens of lines in all) after the prompt `fitted` for
     `infill`, the aside last asked to hold the lines `asked`: lines that go in front of slot `front`'s once the slot
-    holds the first build (None: none go in front), else a build afresh. None where nothing is wider."""
+    holds the first build (None: none go in front), else a build afresh, but for a slot that holds its prompt in
+    `parted` (a build taken afresh would drop them). None where nothing is wider."""
     lines_of = lambda t: len(t) - t.index(fim.vocab.fim_pre) - 1  # noqa: E731 - prefix tokens of a build
     held = fitted.kept.prefix_tokens[0]
     tokens, lines = fim.stable(infill, min(ASIDE_FIRST_TOKENS, most), most, asked)
-    if lines_of(tokens) > held:
+    if lines_of(tokens) > held and not parted:
         return AsideBuild(tokens, lines)
     if front is not None:  # the slot holds what the aside held: the lines before its own
         k = _starts(infill, cached_lines(fitted.tokens, fim.vocab, fim.piece))
         ahead = _front(fim, infill, k[0], min(ASIDE_FRONT_TOKENS, most - held)) if k and held < most else None
         return None if ahead is None else AsideBuild(ahead[0], ahead[2], front, ahead[0].index(fim.vocab.fim_pre) + 1,
                                                      tuple(ahead[1][:FOLLOWS_CHECKED]))
+    if parted:
+        return None
     tokens, lines = fim.stable(infill, min(ASIDE_GROWTH * held, most), most)  # the next width, afresh
     grown = lines_of(tokens)
     return AsideBuild(tokens, lines) if grown > held and grown >= ASIDE_GROWTH_LEAST * held else None

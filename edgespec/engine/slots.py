@@ -23,6 +23,7 @@ from typing import Callable, Generator, Iterator, Sequence
 
 from edgespec.backend import KVSequence
 from edgespec.decoding import loop
+from edgespec.decoding.parts import PartsPlan
 from edgespec.decoding.reuse import Reuse
 from edgespec.engine.recall import MIN_GAIN, Kept, PromptCache, replaces
 from edgespec.proposers import Proposer
@@ -183,6 +184,13 @@ class SlotPool:
                 return False
             self.prompts.take(best)
             return True
+
+    def drops_parts(self, index: int, prompt: Sequence[int], cache_reuse: int) -> bool:
+        """Whether evaluating `prompt` in slot `index` would drop the FIM prompt it holds as parts (decoding.parts):
+        work nobody waits on leaves them be, as the pauses built them for the lines to come."""
+        cache = self.slots[index].cache
+        held = getattr(cache, "plain", cache.n_past) < cache.n_past
+        return held and not isinstance(loop.planned(cache, prompt, cache_reuse), PartsPlan)
 
     def ready(self, slot: Slot, plan: Callable[[KVSequence | Kept], Reuse]) -> None:
         """Before a generation in `slot` evaluates the prompt `plan` prices a cache for: a kept prompt (recall), then

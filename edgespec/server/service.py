@@ -219,6 +219,8 @@ class Service:
             for prompt in each():
                 if cancel.is_set():
                     return False
+                if config.slot is not None and eng.pool.drops_parts(config.slot, prompt, config.cache_reuse):
+                    continue  # parts the pauses built for the lines to come: not dropped by work nobody waits on
                 for _ in eng.stream(prompt, config, (), cancel):
                     pass
             return not cancel.is_set()

@@ -24,7 +24,7 @@ import numpy as np
 from edgespec.config import DEFAULT_N_CTX, LoadConfig
 from edgespec.backend.kv import KVSequence
 from edgespec.decoding.loop import FirstSequence
-from edgespec.decoding.rules import check_json_schema
+from edgespec.decoding.rules import check_json_schema, pieces_of
 from edgespec.errors import EdgespecError, InvalidModelError, InvalidRequestError, stderr_captured
 from edgespec import gguf
 from edgespec.gguf import ModelFacts, Vocab, check_gguf_file
@@ -253,9 +253,10 @@ class Model(FirstSequence):
         return None if None in (v.fim_pre, v.fim_suf, v.fim_mid) else (v.fim_pre, v.fim_suf, v.fim_mid)
 
     def newline_ends(self) -> np.ndarray:
-        """By token id: whether its text ends with a newline (where a line of a prompt ends: decoding.parts)."""
+        """By token id: whether its text ends with a newline (where a line of a prompt ends: decoding.parts), read
+        off the vocabulary's pieces token healing reads too (decoding.rules.pieces_of)."""
         if self._newline is None:
-            self._newline = np.array([self._render(t, special=False).endswith(b"\n") for t in range(self.n_vocab)])
+            self._newline = np.array([p.endswith(b"\n") for p in pieces_of(self).pieces], dtype=bool)
         return self._newline
 
     def is_eog(self, token: int) -> bool:

@@ -59,9 +59,10 @@ class PartsHeld:
         newline = self.model.newline_ends()
         if (lay := parts.layout(prompt, marks, newline)) is None:
             return None
-        n, (pos, labels) = self.n_past, self._parted or ([], [])
-        positions = [*pos, *range(pos[-1] + 1 if pos else len(pos), (pos[-1] + 1 if pos else 0) + n - len(pos))]
-        labels = [*labels, *[parts.PLAIN] * (n - len(labels))]
+        pos, labels = self._parted or ([], [])
+        after = self.position(len(pos))
+        positions = [*pos, *range(after, after + self.n_past - len(pos))]  # position(i) for every token
+        labels = [*labels, *[parts.PLAIN] * (self.n_past - len(labels))]
         plan = parts.plan(self.tokens, positions, labels, parts.layout(self.tokens, marks, newline), prompt, lay,
                           self.group_lines)
         return plan if plan is not None or self._parted is None else reuse.plan(self.tokens[:self.plain], prompt)

@@ -232,7 +232,8 @@ def planned(target: Target, prompt: Sequence[int], min_chunk: int = 0, anchor: i
     what the parts' cache holds before them."""
     if min_chunk and (grouped := getattr(target, "grouped", None)) is not None and (p := grouped(prompt)) is not None:
         return p
-    held = target.tokens[:getattr(target, "plain", len(target.tokens))]
+    held, plain = target.tokens, getattr(target, "plain", len(target.tokens))
+    held = held[:plain] if plain < len(held) else held  # no copy of a cache that holds no parts: a fit plans often
     return chunks.plan(held, prompt, min_chunk if target.can_shift else 0, anchor)
 
 

@@ -77,6 +77,9 @@ ASIDE_TOKENS = 1024
 # Suffix lines a group holds where /infill's FIM prompts are held as parts (`edgespec serve --fim-groups`,
 # decoding.parts): groups of one line cost completions, of four none, in replay (docs/bench/editor.md).
 FIM_GROUP_LINES = 4
+# Suffix lines such a slot is given in pauses, a group at a time: about llama-server's n_batch/4 tokens, the width
+# that completed best in replay (docs/bench/editor.md).
+GROUPED_SUFFIX_LINES = 24
 # Seconds after an answer before background work starts: its compute threads take both cores of a small CPU, and the
 # answer's delivery (the server's event loop, the editor reading it) and the editor's next request would wait on them.
 ANSWER_QUIET = 0.05

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Sequence
 
 from edgespec.backend import KVSequence, Model
+from edgespec.config import GROUPED_SUFFIX_LINES
 from edgespec.decoding import reuse
 from edgespec.decoding.costs import PromptRate
 from edgespec.decoding.loop import Target, planned
@@ -58,9 +59,6 @@ NEAR_BUDGETS = 2.0
 FOLLOWS_CHECKED = 32  # tokens of a slot's first lines checked before lines go in front of them (SlotPool.join_front)
 ASIDE_HEAD = 32  # tokens an aside build leaves of LoadConfig.aside for what precedes the lines (FIM and file tokens)
 WIDEN_LINES_STEP = 4  # of fim.FIT_STEPS: a background step adds 1/64 of the lines a side, done within a pause
-# Suffix lines a slot that holds FIM prompts as parts (LoadConfig.fim_groups) is given in a pause, a group at a time:
-# about llama-server's n_batch/4 tokens, the width that completed best in replay (docs/bench/editor.md).
-GROUPED_SUFFIX_LINES = 24
 # Texts kept tokenized: a fit tokenizes the prefix, the suffix and the typed text once, and mostly the same ones
 # again on an editor's next request (the same line typed further, its speculative request).
 TOKENIZED_TEXTS = 512

@@ -268,12 +268,12 @@ class Service:
         if not awaited:
             job.add_done_callback(_log_failure)
 
-    async def run(self, request: Request, prompt: list[int], req: schemas.Request, cancel: threading.Event,
-                  aside_first: bool = False) -> list[Chunk]:
+    async def run(self, request: Request, prompt: list[int] | Callable[[], list[int]], req: schemas.Request,
+                  cancel: threading.Event, aside_first: bool = False) -> list[Chunk]:
         """Generate without streaming, cancelling if the client disconnects meanwhile. A warm-up (n_predict 0)
         runs as background work: after the requests in flight, in small batches, preempted by the next request;
         with `aside_first` (an editor's warm-up), after the aside build the last /infill answer asked for, if it is
-        not done."""
+        not done. A `prompt` given as a function is read when the generation starts, after that build."""
         eng = self.engine()
         warm_up = req.config.max_tokens == 0
         if warm_up:  # after the requests in flight: beside one, sharing the engine, it holds the answer back
@@ -289,7 +289,7 @@ class Service:
 
             def generate() -> list[Chunk]:
                 self.build_aside(build, cancel)
-                return list(eng.stream(prompt, config, req.stop, cancel))
+                return list(eng.stream(prompt() if callable(prompt) else prompt, config, req.stop, cancel))
 
             job = self.submit(generate)
             if warm_up:

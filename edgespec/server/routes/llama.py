@@ -111,7 +111,17 @@ class LlamaRoutes:
 
         return await self.respond(request, ip.tokens, req, "the infill prompt ('input_prefix', 'input_suffix', "
                                                            "'prompt', 'input_extra')", infill=True, report=report,
-                                  after=after, lead=lead)
+                                  after=after, lead=lead, again=self._again(held, infill, room, budget, ip, c, layout))
+
+    def _again(self, held: Infill, infill: Infill, room: int, budget: float | None, ip: InfillPrompt,
+               c: GenerationConfig, layout: str) -> Callable[[], list[int]] | None:
+        """For a warm-up: its prompt laid out again where its generation starts, after the aside build it waits on
+        (Service.run), which may put lines in front of what the slot holds. None for a completion."""
+        if c.max_tokens != 0:
+            return None
+        eng = self.svc.engine()
+        return lambda: self._in_slot(eng.infill_prompt(held, room, budget, ip.slot, c.cache_reuse, layout, True),
+                                     infill, budget, True).tokens
 
     def _in_slot(self, ip: InfillPrompt, infill: Infill, budget: float | None, warm_up: bool) -> InfillPrompt:
         """`ip` as it runs in its slot. A completion leaves something else there (no follow-up kept) and notes the
@@ -151,17 +161,15 @@ class LlamaRoutes:
 
     async def respond(self, request: Request, prompt: list[int], req: schemas.Request, prompt_name: str,
                       infill: bool = False, report: dict[str, Any] | None = None,
-                      after: Callable[[list[Chunk]], None] | None = None, lead: str = "") -> Response:
+                      after: Callable[[list[Chunk]], None] | None = None, lead: str = "",
+                      again: Callable[[], list[int]] | None = None) -> Response:
         """Run the generation and answer as llama.cpp does; `report` joins the final object, `after` runs once the
-        answer is complete, with its (first completion's) chunks; `lead` goes before a text that is not empty."""
+        answer is complete, with its (first completion's) chunks; `lead` goes before a text that is not empty;
+        `again` lays the prompt out anew where the generation starts (a warm-up's, after the work it waits on)."""
         check_request(self.svc.engine(), prompt, prompt_name, req)
         req = in_namespace(request, req)
         model, piece = self.svc.settings.model_name, self.svc.engine().target.token_piece
-        cancel = threading.Event()
-        if infill:
-            for older in list(self.svc.infills) if self.svc.settings.infill_cancel_older else ():
-                older.set()
-            self.svc.infills.add(cancel)
+        cancel = self._cancel_event(infill)
         try:
             if not req.stream:
                 results, answers, later, need = [], [], req, 0.0
@@ -171,7 +179,7 @@ class LlamaRoutes:
                     if results and not _room_for_another(chunks[-1], later.config.deadline, need):
                         chunks = [_skipped(chunks[-1], len(prompt))]
                     else:
-                        chunks = await self.svc.run(request, prompt, later, cancel, aside_first=infill)
+                        chunks = await self.svc.run(request, again or prompt, later, cancel, aside_first=infill)
                     answers.append(chunks := _led(chunks, lead))
                     final = _llama_final("".join(c.text for c in chunks), [t for c in chunks for t in c.tokens],
                                          chunks[-1], model, req) | (report or {}) | {"index": i}
@@ -209,6 +217,15 @@ class LlamaRoutes:
                 self.svc.infills.discard(cancel)
 
         return StreamingResponse(sse_guard(events()), media_type="text/event-stream", headers=SSE_HEADERS)
+
+    def _cancel_event(self, infill: bool) -> threading.Event:
+        """A generation's cancel event; an /infill's cancels the older ones still running (--infill-cancel-older)."""
+        cancel = threading.Event()
+        if infill:
+            for older in list(self.svc.infills) if self.svc.settings.infill_cancel_older else ():
+                older.set()
+            self.svc.infills.add(cancel)
+        return cancel
 
     async def tokenize(self, request: Request) -> Response:
         body = await self.svc.body_of(request)

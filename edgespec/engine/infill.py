@@ -92,6 +92,7 @@ class InfillPrompt:
     # The prompt with its suffix ever wider, a group of lines at a time, for a slot that holds FIM prompts as parts
     # to evaluate in a pause (each evaluates its new lines, and moves the middle on).
     grown: Callable[[], Iterator[list[int]]] = field(default=lambda: iter(()))
+    grouped: bool = False  # the slot holds FIM prompts as parts: the background grows them before the aside builds
 
 
 def infill_prompt(m: Model, pool: SlotPool, rate: PromptRate, infill: Infill, max_tokens: int,
@@ -153,7 +154,7 @@ def infill_prompt(m: Model, pool: SlotPool, rate: PromptRate, infill: Infill, ma
         functools.partial(_aside_build, fim, infill, fitted, m.cfg.aside - ASIDE_HEAD, aside_lines, front, parted)
     grown = functools.partial(_grown, fim, infill.suffix, fitted.tokens, target, room) if grouped else None
     return InfillPrompt(fitted.tokens, _kept(m, fitted.kept, asked, written), chosen, new, budget, widening, build,
-                        grown or (lambda: iter(())))
+                        grown or (lambda: iter(())), grouped)
 
 
 def _kept(m: Model, kept: Kept, asked: Infill, written: str) -> Kept:

@@ -185,12 +185,14 @@ class SlotPool:
             self.prompts.take(best)
             return True
 
-    def drops_parts(self, index: int, prompt: Sequence[int], cache_reuse: int) -> bool:
-        """Whether evaluating `prompt` in slot `index` would drop the FIM prompt it holds as parts (decoding.parts):
-        work nobody waits on leaves them be, as the pauses built them for the lines to come."""
+    def background_plan(self, index: int, prompt: Sequence[int], cache_reuse: int) -> Reuse | None:
+        """What evaluating `prompt` in slot `index` keeps and moves (loop.planned), for work nobody waits on; None
+        where it would drop the FIM prompt the slot holds as parts (decoding.parts): such work leaves them be, as the
+        pauses built them for the lines to come."""
         cache = self.slots[index].cache
+        plan = loop.planned(cache, prompt, cache_reuse)
         held = getattr(cache, "plain", cache.n_past) < cache.n_past
-        return held and not isinstance(loop.planned(cache, prompt, cache_reuse), PartsPlan)
+        return None if held and not isinstance(plan, PartsPlan) else plan
 
     def ready(self, slot: Slot, plan: Callable[[KVSequence | Kept], Reuse]) -> None:
         """Before a generation in `slot` evaluates the prompt `plan` prices a cache for: a kept prompt (recall), then

@@ -207,29 +207,25 @@ class Service:
 
     def warm(self, prompts: Callable[[], Iterable[list[int]]] | None, config: GenerationConfig, delay: float = 0.0,
              now: Callable[[], Iterable[list[int]]] = lambda: (),
-             aside: Callable[[threading.Event], bool] | None = None) -> None:
+             aside: Callable[[threading.Event], bool] | None = None, parts_first: bool = False) -> None:
         """While nobody waits, until the next request: first `aside` (a build beside the slots, Engine.build_aside)
         if there is one, then each of `now` into the cache of `config`'s slot, then from `delay` seconds of quiet
-        each of `prompts` there (each the one before it with more context: what was evaluated stays usable)."""
+        each of `prompts` there (each the one before it with more context: what was evaluated stays usable). With
+        `parts_first` (a slot that holds its FIM prompt as parts) `now` comes before `aside`, each while this pause
+        is expected to hold the move it ends with, which nothing aborts."""
         eng, cancel = self.engine(), threading.Event()
         config = dataclasses.replace(config, max_tokens=0, prompt_batch=BACKGROUND_BATCH, memory=None)
         self.aside_build = aside  # the last answer's: a build an earlier one asked for may be stale
 
-        def evaluated(each: Callable[[], Iterable[list[int]]]) -> bool:
-            for prompt in each():
-                if cancel.is_set():
-                    return False
-                if config.slot is not None and eng.pool.drops_parts(config.slot, prompt, config.cache_reuse):
-                    continue  # parts the pauses built for the lines to come: not dropped by work nobody waits on
-                for _ in eng.stream(prompt, config, (), cancel):
-                    pass
-            return not cancel.is_set()
+        room = self.pause_room if parts_first else None
 
         def work() -> None:
-            if cancel.wait(ANSWER_QUIET) or not self.build_aside(aside, cancel):
+            if cancel.wait(ANSWER_QUIET):
                 return
-            if evaluated(now) and prompts is not None and not _quiet_for(delay, cancel):
-                evaluated(prompts)
+            done = _evaluated(eng, config, now(), cancel, room) and self.build_aside(aside, cancel) if parts_first \
+                else self.build_aside(aside, cancel) and _evaluated(eng, config, now(), cancel)
+            if done and prompts is not None and not _quiet_for(delay, cancel):
+                _evaluated(eng, config, prompts(), cancel)
 
         self._background(cancel, self.submit(work), awaited=False)
 
@@ -370,6 +366,24 @@ async def read_body(request: Request, limit: int) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise errors.InvalidRequestError("the JSON body must be an object")
     return body
+
+
+def _evaluated(eng: Engine, config: GenerationConfig, prompts: Iterable[list[int]], cancel: threading.Event,
+               room: Callable[[float], bool] | None = None) -> bool:
+    """Evaluate each of `prompts` into `config`'s slot while nobody waits, until `cancel`: whether not cancelled. One
+    that would drop the FIM prompt the slot holds as parts is left out; with `room`, none is started where the pause
+    is not expected to hold the move it ends with, which nothing aborts (a request would wait on it)."""
+    for prompt in prompts:
+        if cancel.is_set():
+            return False
+        if config.slot is not None:
+            if (plan := eng.pool.background_plan(config.slot, prompt, config.cache_reuse)) is None:
+                continue  # parts the pauses built for the lines to come: not dropped by work nobody waits on
+            if room is not None and plan.moved and not room(eng.prompt_rate.seconds(plan.new, shifted=True)):
+                return True  # a later pause grows the parts
+        for _ in eng.stream(prompt, config, (), cancel):
+            pass
+    return not cancel.is_set()
 
 
 def _quiet_for(seconds: float, cancel: threading.Event) -> bool:

@@ -107,7 +107,7 @@ class LlamaRoutes:
             aside = None if build is None else functools.partial(self.svc.build_in_pause, eng, build)
             # the editor's next request first, then the suffix held in parts grown (engine.infill)
             now = lambda: itertools.chain(() if kept or lead else ahead(answer), ip.grown())  # noqa: E731
-            self.svc.warm(widen, req.config, WIDEN_DELAY, now=now, aside=aside)
+            self.svc.warm(widen, req.config, WIDEN_DELAY, now=now, aside=aside, parts_first=ip.grouped)
 
         return await self.respond(request, ip.tokens, req, "the infill prompt ('input_prefix', 'input_suffix', "
                                                            "'prompt', 'input_extra')", infill=True, report=report,

@@ -157,8 +157,9 @@ def chat_cmd(system: str | None, interactive: bool | None, show_draft: bool, cac
                    "prompt) or ends the prefix (llama.cpp's layout).")
 @click.option("--fim-groups", type=click.IntRange(min=0), default=0, show_default=True,
               help=f"/infill with chunk reuse: hold the suffix in groups of N lines (e.g. {FIM_GROUP_LINES}) that see "
-                   f"only the prefix, grown to {GROUPED_SUFFIX_LINES} lines in pauses, so a line the cursor walks over is cut out and the "
-                   "rest kept (0: the prompt in one piece). Not yet better in sessions: docs/bench/editor.md.")
+                   f"only the prefix, grown to {GROUPED_SUFFIX_LINES} lines in pauses, so a line the cursor walks over "
+                   "is cut out and the rest kept (0: the prompt in one piece). Not yet better in sessions: "
+                   "docs/bench/editor.md.")
 @click.option("--shutdown-grace", type=click.FloatRange(min=0), default=SHUTDOWN_GRACE_SECONDS, show_default=True,
               help="Seconds requests in flight get after SIGTERM or Ctrl-C before they are cancelled; "
                    "a second signal cancels them at once.")

@@ -185,14 +185,17 @@ class SlotPool:
             self.prompts.take(best)
             return True
 
+    def holds_parts(self, index: int) -> bool:
+        """Whether slot `index` holds its FIM prompt as parts (decoding.parts)."""
+        cache = self.slots[index].cache
+        return getattr(cache, "plain", cache.n_past) < cache.n_past
+
     def background_plan(self, index: int, prompt: Sequence[int], cache_reuse: int) -> Reuse | None:
         """What evaluating `prompt` in slot `index` keeps and moves (loop.planned), for work nobody waits on; None
-        where it would drop the FIM prompt the slot holds as parts (decoding.parts): such work leaves them be, as the
-        pauses built them for the lines to come."""
-        cache = self.slots[index].cache
-        plan = loop.planned(cache, prompt, cache_reuse)
-        held = getattr(cache, "plain", cache.n_past) < cache.n_past
-        return None if held and not isinstance(plan, PartsPlan) else plan
+        where it would drop the FIM prompt the slot holds as parts: such work leaves them be, as the pauses built
+        them for the lines to come."""
+        plan = loop.planned(self.slots[index].cache, prompt, cache_reuse)
+        return None if self.holds_parts(index) and not isinstance(plan, PartsPlan) else plan
 
     def ready(self, slot: Slot, plan: Callable[[KVSequence | Kept], Reuse]) -> None:
         """Before a generation in `slot` evaluates the prompt `plan` prices a cache for: a kept prompt (recall), then

@@ -376,7 +376,7 @@ def _evaluated(eng: Engine, config: GenerationConfig, prompts: Iterable[list[int
     for prompt in prompts:
         if cancel.is_set():
             return False
-        if config.slot is not None:
+        if config.slot is not None and (room is not None or eng.pool.holds_parts(config.slot)):  # else nothing to price
             if (plan := eng.pool.background_plan(config.slot, prompt, config.cache_reuse)) is None:
                 continue  # parts the pauses built for the lines to come: not dropped by work nobody waits on
             if room is not None and plan.moved and not room(eng.prompt_rate.seconds(plan.new, shifted=True)):

@@ -534,6 +534,36 @@ def test_a_streamed_completion_stops_a_warm_up_that_came_before_its_job():
     assert asyncio.run(scenario()) == [True]
 
 
+def test_a_warm_ups_prompt_is_read_after_the_aside_build_it_runs_first():
+    # An editor's warm-up runs the aside build the last answer asked for before its own evaluation, and a build that
+    # puts lines in front of the slot's changes what the slot holds. Laid out before it, the warm-up evaluated a
+    # stale prompt, which dropped those lines (or a slot's parts): the route gives the layout as a function
+    # (LlamaRoutes._again), which Service.run reads once the build is done.
+    import asyncio
+    import types
+
+    from edgespec.server.service import Service
+
+    async def scenario() -> list[list[int]]:
+        svc, request = _run_fake()
+        held, streamed = [1, 2], []
+        svc.aside_build = lambda cancel: (held.__setitem__(slice(0, 0), [7, 8]), True)[1]  # lines in front
+        svc.build_aside = lambda build, cancel: build is None or build(cancel)
+        svc.engine = lambda: types.SimpleNamespace(stream=lambda prompt, *_: (streamed.append(prompt), ["c"])[1])
+
+        def submit(job) -> asyncio.Future:  # the engine thread, at once
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(job())
+            return done
+
+        svc.submit = submit
+        warm_up = types.SimpleNamespace(config=GenerationConfig(max_tokens=0), stop=())
+        await asyncio.wait_for(Service.run(svc, request, lambda: list(held), warm_up, threading.Event(), True), 5)
+        return streamed
+
+    assert asyncio.run(scenario()) == [[7, 8, 1, 2]]
+
+
 def test_a_warm_request_takes_what_its_slot_serves_in_place_unless_a_move_buys_enough(qwen_draft_path):
     """Moving the slot's cached prompt re-rotates the whole cache: a request whose budget would buy fewer than
     MOVE_MIN_GAIN new tokens after that keeps the cached prompt as it is; one that buys more widens its context."""

@@ -165,7 +165,8 @@ class LlamaRoutes:
                       again: Callable[[], list[int]] | None = None) -> Response:
         """Run the generation and answer as llama.cpp does; `report` joins the final object, `after` runs once the
         answer is complete, with its (first completion's) chunks; `lead` goes before a text that is not empty;
-        `again` lays the prompt out anew where the generation starts (a warm-up's, after the work it waits on)."""
+        `again` lays the prompt out anew where a generation not streamed starts (a warm-up's, after the work it
+        waits on)."""
         check_request(self.svc.engine(), prompt, prompt_name, req)
         req = in_namespace(request, req)
         model, piece = self.svc.settings.model_name, self.svc.engine().target.token_piece

@@ -142,7 +142,7 @@ def infill_prompt(m: Model, pool: SlotPool, rate: PromptRate, infill: Infill, ma
         fitted, budget = relaxed, plain
     new = new_tokens(target, fitted.tokens)
     grouped = bool(target.cache.group_lines and cache_reuse and layout == "middle")
-    parted = grouped and target.cache.plain < target.cache.n_past  # its parts are kept: no build afresh taken
+    parted = grouped and pool.holds_parts(chosen)  # its parts are kept: no build afresh taken
     if not parted and aside is not None and aside.tokens and (wide := _from_aside(fim, infill, room, aside,
                                                                                   aside_lines, plain, fitted, new)):
         fitted, new = wide

@@ -156,7 +156,8 @@ def test_an_editor_back_at_a_file_gets_the_context_it_had_within_its_budget(serv
     kept, given = back["infill"]["prefix_tokens"]
     assert kept >= whole["infill"]["prefix_tokens"][0] - 16, (whole["infill"], back["infill"])
     assert back["timings"]["prompt_n"] <= max(back["infill"]["budget_tokens"], 16), back["timings"]
-    assert back["tokens_cached"] >= kept - 16  # the cursor line's tokens may be evaluated again
+    # what it had comes back (the cursor line's tokens may be evaluated again); a budget left over may widen it
+    assert back["tokens_cached"] >= whole["infill"]["prefix_tokens"][0] - 16, (back["infill"], back["timings"])
     new = infill(server, FILE_C, t_max_prompt_ms=300, input_extra=RING)
     assert new["truncated"] is True and kept > 4 * new["infill"]["prefix_tokens"][0], (new["infill"], back["infill"])
 

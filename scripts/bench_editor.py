@@ -6,7 +6,8 @@ half-way through the line (the user typed on), and the editor's speculative requ
 accepted), which both editors send the moment they show a suggestion. A file named again in --files is a return to
 it, further down, as a user goes back to a file after working in another. Chunks of other files go into the ring of
 extra context, announced by the editor's warm-up request (n_predict 0, fire and forget), the ring dropping its
-oldest chunk when full. The bodies are the editors' own (tests/clients/llama_vim.json, llama_vscode.json), with
+oldest chunk when full (with --buf-enter, a file's first visit adds the chunk both editors pick around the cursor
+on entering it). The bodies are the editors' own (tests/clients/llama_vim.json, llama_vscode.json), with
 their default windows (256 lines before the cursor, 64 after).
 
 Both servers get the same requests in the same order; the one not being asked is frozen (SIGSTOP), so neither's
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -143,6 +145,28 @@ class Ring:
             return False
         self.held = (self.held + [chunk])[-self.size:]
         return True
+
+    def enter(self, chunk: dict[str, Any]) -> None:
+        """A chunk the editor picked itself (on entering a file) joins the ring, newest."""
+        self.held = (self.held + [chunk])[-self.size:]
+
+
+def entered_chunk(path: Path, start: int, n_lines: int) -> dict[str, Any]:
+    """The chunk both editors pick on entering a file (llama.vim's BufEnter, llama.vscode's
+    onDidChangeActiveTextEditor: pickChunkAroundCursor): RING_CHUNK_LINES lines at a random place among the
+    2 * RING_CHUNK_LINES around the cursor. The file is taken as entered, before the visit writes its lines, so the
+    chunk never holds text the walk is about to write; the place is seeded by the file and line, for runs to repeat."""
+    lines = path.read_text().splitlines()
+    buffer = lines[:start] + lines[start + n_lines:]
+    around = buffer[max(0, start - RING_CHUNK_LINES):start + RING_CHUNK_LINES]
+    first = random.Random(f"{path.name}:{start}").randint(0, max(0, len(around) - RING_CHUNK_LINES))
+    text = "\n".join(around[first:first + RING_CHUNK_LINES]) + "\n"
+    return {"text": text, "time": [int(time.time()), 0], "filename": _shown_name(path)}
+
+
+def _shown_name(path: Path) -> str:
+    """A file's name as the editor sends it: relative to the project where it lies in it (`expand('%')`)."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
 
 def vim_fim(c: Cursor, extra: list[dict], speculative: bool) -> dict[str, Any]:
@@ -329,11 +353,19 @@ def turn(peer: Peer, others: list[Peer], fn: Any) -> Any:
 
 
 def session(peers: list[Peer], flavour: str, files: list[tuple[Path, int, int]], ring_files: list[Path],
-            ring_size: int, ring_every: int, think: float, greedy: bool = False, write: bool = False) -> None:
+            ring_size: int, ring_every: int, think: float, greedy: bool = False, write: bool = False,
+            buf_enter: bool = False) -> None:
     fim, warmup = FLAVOURS[flavour]
     ring = Ring(ring_files, ring_size, ring_every)
+    entered: set[Path] = set()
     for path, start, n in files:
         last_line = None
+        if buf_enter and path not in entered:  # a return finds the buffer modified: the editors pick nothing then
+            entered.add(path)
+            ring.enter(entered_chunk(path, start, n))
+            for p in peers:
+                turn(p, [o for o in peers if o is not p], lambda p=p: (time.sleep(think),
+                                                                       p.post_and_forget(warmup(ring.held))))
         for c in cursors(path, start, n, write):
             if c.line != last_line:
                 last_line = c.line
@@ -469,6 +501,10 @@ def main() -> None:
     ap.add_argument("--write", action="store_true",
                     help="each walked block is written anew above the lines after it, which stay the suffix "
                          "(default: each line written again over the file, so the suffix loses a line at each)")
+    ap.add_argument("--buf-enter", action="store_true",
+                    help="on a file's first visit the editor puts a chunk around the cursor in the ring and sends "
+                         "its warm-up, as both editors do on entering an unmodified file (default: only the ring "
+                         "files' chunks)")
     ap.add_argument("--edgespec-args", default="", help="extra arguments for edgespec serve")
     ap.add_argument("--servers", nargs="+", default=["edgespec", "llama-server"], choices=["edgespec", "llama-server"],
                     help="one alone for a quick look at its own records (no ratio: runs are fair only side by side)")
@@ -501,7 +537,7 @@ def main() -> None:
             for p in peers:  # one at a time: edgespec calibrates at its first load, on a quiet machine
                 p.start(args.out.with_suffix(f".{p.name}.log"))
             session(peers, flavour, parse_files(args.files), [ROOT / f for f in args.ring], args.ring_size,
-                    args.ring_every, args.think, args.greedy, args.write)
+                    args.ring_every, args.think, args.greedy, args.write, args.buf_enter)
         finally:
             for p in peers:
                 p.stop()

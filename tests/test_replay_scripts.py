@@ -113,6 +113,21 @@ def test_the_editor_benchmark_counts_a_files_first_completions_apart():
     assert bench_editor.right(fims) == "5/8 (3 + 2)"  # a.py: 2 of its first 3, then 1; b.py: 1, then 1
 
 
+def test_the_chunk_picked_on_entering_a_file_holds_none_of_the_lines_the_visit_writes(tmp_path: Path):
+    # --buf-enter: both editors pick a chunk around the cursor when a file is entered, before the visit writes.
+    path = tmp_path / "f.py"
+    path.write_text("".join(f"line{i}\n" for i in range(200)))
+    chunk = bench_editor.entered_chunk(path, 100, 8)
+    lines = chunk["text"].splitlines()
+    assert len(lines) == bench_editor.RING_CHUNK_LINES and chunk["filename"] == str(path)
+    assert not {f"line{i}" for i in range(100, 108)} & set(lines)  # the visit's own lines are not there yet
+    assert set(lines) <= {f"line{i}" for i in range(68, 140)}  # from around the cursor
+    assert bench_editor.entered_chunk(path, 100, 8)["text"] == chunk["text"]  # seeded: runs repeat
+    short = tmp_path / "g.py"
+    short.write_text("a\nb\nc\nd\n")
+    assert bench_editor.entered_chunk(short, 1, 1)["text"] == "a\nc\nd\n"  # a file shorter than a chunk, whole
+
+
 def test_the_fim_replays_anchor_with_reuse_is_the_line_before_the_prompts_end():
     """--cache-reuse: in a middle layout's prompt the cursor is the prompt's end, so the suffix before <fim_middle> may
     move, and the line before the cursor line (after <fim_middle>) may not."""

@@ -152,6 +152,9 @@ def test_batches_nobody_waits_on_are_priced_on_their_own_scale():
     before = rate.background
     rate.observe_background(RATE_LEAST_TOKENS - 1, 5.0)  # a batch of a few tokens says little
     assert rate.background == before
+    rate.observe(1, 0.3 + rate.seconds(1), shifted=True)  # a prefill that moved cached chunks: the re-rotation's time
+    assert rate.background_seconds(64, shifted=True) == pytest.approx(0.3 + rate.background_seconds(64))
+    assert rate.background_seconds(64, shifted=True) < rate.seconds(64, shifted=True)  # pause work at its own scale
 
 
 def test_a_batch_aborted_past_its_price_raises_the_background_scale_and_one_within_it_teaches_nothing():

@@ -162,9 +162,10 @@ class PromptRate:
         if tokens >= RATE_LEAST_TOKENS:
             self.scale = self._followed(self.scale, seconds / self._curve(tokens))
 
-    def background_seconds(self, tokens: int) -> float:
-        """Predicted seconds for a batch of `tokens` evaluated while nobody waits."""
-        return self.background * self._curve(tokens)
+    def background_seconds(self, tokens: int, shifted: bool = False) -> float:
+        """Predicted seconds for a batch of `tokens` evaluated while nobody waits, after moving cached chunks when
+        `shifted` (the re-rotation costs what it costs a request)."""
+        return ((self.shift or 0.0) if shifted else 0.0) + self.background * self._curve(tokens)
 
     def observe_background(self, tokens: int, seconds: float, at_least: bool = False) -> None:
         """A batch of `tokens` evaluated while nobody waits took `seconds` (of the time the process ran): its scale

@@ -379,7 +379,7 @@ def _evaluated(eng: Engine, config: GenerationConfig, prompts: Iterable[list[int
         if config.slot is not None and (room is not None or eng.pool.holds_parts(config.slot)):  # else nothing to price
             if (plan := eng.pool.background_plan(config.slot, prompt, config.cache_reuse)) is None:
                 continue  # parts the pauses built for the lines to come: not dropped by work nobody waits on
-            if room is not None and plan.moved and not room(eng.prompt_rate.seconds(plan.new, shifted=True)):
+            if room is not None and plan.moved and not room(eng.prompt_rate.background_seconds(plan.new, True)):
                 return True  # a later pause grows the parts
         for _ in eng.stream(prompt, config, (), cancel):
             pass

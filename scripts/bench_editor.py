@@ -143,11 +143,11 @@ class Ring:
         self.lines += 1
         if (self.lines - 1) % self.every or (chunk := next(self.chunks, None)) is None:
             return False
-        self.held = (self.held + [chunk])[-self.size:]
+        self.enter(chunk)
         return True
 
     def enter(self, chunk: dict[str, Any]) -> None:
-        """A chunk the editor picked itself (on entering a file) joins the ring, newest."""
+        """`chunk` joins the ring, newest; the oldest goes past the ring's size."""
         self.held = (self.held + [chunk])[-self.size:]
 
 

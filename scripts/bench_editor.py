@@ -119,8 +119,7 @@ def ring_chunks(paths: list[Path]) -> Iterator[dict[str, Any]]:
     for path in paths:
         lines = path.read_text().splitlines()
         for start in range(0, len(lines), RING_CHUNK_LINES * 3):
-            text = "\n".join(lines[start:start + RING_CHUNK_LINES]) + "\n"
-            yield {"text": text, "time": [int(time.time()), 0], "filename": str(path.relative_to(ROOT))}
+            yield _chunk(path, lines[start:start + RING_CHUNK_LINES])
 
 
 def check_ring(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -160,13 +159,14 @@ def entered_chunk(path: Path, start: int, n_lines: int) -> dict[str, Any]:
     buffer = lines[:start] + lines[start + n_lines:]
     around = buffer[max(0, start - RING_CHUNK_LINES):start + RING_CHUNK_LINES]
     first = random.Random(f"{path.name}:{start}").randint(0, max(0, len(around) - RING_CHUNK_LINES))
-    text = "\n".join(around[first:first + RING_CHUNK_LINES]) + "\n"
-    return {"text": text, "time": [int(time.time()), 0], "filename": _shown_name(path)}
+    return _chunk(path, around[first:first + RING_CHUNK_LINES])
 
 
-def _shown_name(path: Path) -> str:
-    """A file's name as the editor sends it: relative to the project where it lies in it (`expand('%')`)."""
-    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+def _chunk(path: Path, lines: list[str]) -> dict[str, Any]:
+    """An extra-context chunk as the editors send it, under the file's name relative to the project where it lies
+    in it (`expand('%')`)."""
+    name = str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+    return {"text": "\n".join(lines) + "\n", "time": [int(time.time()), 0], "filename": name}
 
 
 def vim_fim(c: Cursor, extra: list[dict], speculative: bool) -> dict[str, Any]:
@@ -358,21 +358,23 @@ def session(peers: list[Peer], flavour: str, files: list[tuple[Path, int, int]],
     fim, warmup = FLAVOURS[flavour]
     ring = Ring(ring_files, ring_size, ring_every)
     entered: set[Path] = set()
+
+    def warm_up() -> None:  # the ring changed: each server gets the editor's warm-up after the user's think time
+        for p in peers:
+            turn(p, [o for o in peers if o is not p], lambda p=p: (time.sleep(think),
+                                                                   p.post_and_forget(warmup(ring.held))))
+
     for path, start, n in files:
         last_line = None
         if buf_enter and path not in entered:  # a return finds the buffer modified: the editors pick nothing then
             entered.add(path)
             ring.enter(entered_chunk(path, start, n))
-            for p in peers:
-                turn(p, [o for o in peers if o is not p], lambda p=p: (time.sleep(think),
-                                                                       p.post_and_forget(warmup(ring.held))))
+            warm_up()
         for c in cursors(path, start, n, write):
             if c.line != last_line:
                 last_line = c.line
                 if ring.walked():
-                    for p in peers:
-                        turn(p, [o for o in peers if o is not p], lambda p=p: (time.sleep(think),
-                                                                               p.post_and_forget(warmup(ring.held))))
+                    warm_up()
             for p in peers:
                 turn(p, [o for o in peers if o is not p], lambda p=p: _ask_pair(p, c, ring.held, fim, think, greedy))
             print(f"{flavour} {Path(c.path).name}:{c.line + 1}:{c.col}  " + "  ".join(

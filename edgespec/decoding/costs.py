@@ -128,7 +128,7 @@ class PromptRate:
 
     def seconds(self, tokens: int, shifted: bool = False) -> float:
         """Predicted seconds for a prefill of `tokens` new tokens (0 for none), after moving cached chunks."""
-        return ((self.shift or 0.0) if shifted else 0.0) + self.scale * self._curve(tokens)
+        return self._moved(shifted) + self.scale * self._curve(tokens)
 
     def _curve(self, tokens: int) -> float:
         """Seconds the calibrated curve gives `tokens` new tokens, unscaled (0 for none or nothing calibrated)."""
@@ -165,7 +165,11 @@ class PromptRate:
     def background_seconds(self, tokens: int, shifted: bool = False) -> float:
         """Predicted seconds for a batch of `tokens` evaluated while nobody waits, after moving cached chunks when
         `shifted` (the re-rotation costs what it costs a request)."""
-        return ((self.shift or 0.0) if shifted else 0.0) + self.background * self._curve(tokens)
+        return self._moved(shifted) + self.background * self._curve(tokens)
+
+    def _moved(self, shifted: bool) -> float:
+        """Seconds of the re-rotation a prefill that `shifted` cached chunks pays first (0 where it moved none)."""
+        return (self.shift or 0.0) if shifted else 0.0
 
     def observe_background(self, tokens: int, seconds: float, at_least: bool = False) -> None:
         """A batch of `tokens` evaluated while nobody waits took `seconds` (of the time the process ran): its scale
@@ -189,7 +193,7 @@ class PromptRate:
         (None while nothing is calibrated)."""
         if not self.known:
             return None
-        seconds -= (self.shift or 0.0) if shifted else 0.0
+        seconds -= self._moved(shifted)
         per_batch = self.seconds(self.batches[-1])
         n = self.batches[-1] * int(max(seconds, 0.0) // per_batch) if per_batch > 0 else 0
         left = seconds - self.seconds(n)
